@@ -1,0 +1,58 @@
+"""The drafter protocol: what the engine asks of anything that proposes draft trees.
+
+A drafter mirrors the engine's batch rows. The engine calls, in order:
+
+* ``join(seqs)`` when requests enter (rows appended at the end, ``seqs`` = full token ids so
+  far, prompt included); a model drafter prefills its own KV cache here;
+* ``propose(seqs, shape, present)`` once per step with k >= 1, returning a ``Draft`` that fills
+  the rank-path ``shape`` (``present[b]`` marks the nodes row b asked for);
+* ``commit(path, accept_len)`` after verification with host copies of the accepted paths, so
+  a model drafter keeps exactly the accepted nodes in its cache;
+* ``select_rows(index)`` when requests leave (row ``i`` becomes old row ``index[i]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import numpy as np
+import torch
+
+from specrl.sampling import SamplingParams
+from specrl.tree import TreeShape
+
+
+@dataclass
+class Draft:
+    """A batch of filled draft trees (on the compute device unless noted)."""
+
+    tokens: torch.Tensor  # (B, n) long: node tokens, tokens[:, 0] = root (last committed token)
+    present: torch.Tensor  # (B, n) bool: node holds a real proposal (absent nodes are never accepted)
+    probs: torch.Tensor | None  # (B, n, V) draft distribution from which each node's children were drawn;
+    #                             None for deterministic drafters or greedy mode
+    top1: torch.Tensor  # (B,) float: draft probability of its first token (1.0 for n-gram matches)
+    entropy: torch.Tensor  # (B,) float: entropy (nats) of the first-token draft distribution (0 for n-gram)
+    match_len: torch.Tensor  # (B,) float: n-gram length of the match used (0 for model drafters)
+    num_matches: torch.Tensor  # (B,) float: number of earlier matches found (0 for model drafters)
+
+
+class Drafter(Protocol):
+    """Anything that proposes draft trees; see the module docstring for the call order."""
+
+    name: ClassVar[str]
+
+    def join(self, seqs: list[np.ndarray]) -> None: ...
+
+    def select_rows(self, index: list[int]) -> None: ...
+
+    def propose(
+        self,
+        seqs: list[np.ndarray],
+        shape: TreeShape,
+        present: np.ndarray,  # (B, n) bool
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Draft: ...
+
+    def commit(self, path: np.ndarray, accept_len: np.ndarray) -> None: ...

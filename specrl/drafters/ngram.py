@@ -1,0 +1,156 @@
+"""Prompt-lookup (n-gram) drafting: propose what followed earlier occurrences of the suffix.
+
+No model and no KV cache: the draft is a deterministic function of the token ids so far, which
+is also why the replay backend can rerun it exactly on recorded sequences. With width > 1 the
+continuations of several earlier matches are merged into a trie, so siblings are distinct
+tokens; sibling rank = order of preference (longer n-gram first, then the most recent match).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from specrl.drafters.base import Draft
+from specrl.errors import ConfigError
+from specrl.sampling import SamplingParams
+from specrl.tree import TreeShape
+
+
+@dataclass
+class Lookup:
+    """Result of one prompt-lookup search."""
+
+    continuations: list[np.ndarray]  # distinct continuations, most preferred first, each <= k tokens
+    match_len: int  # n of the longest suffix n-gram that matched (0 = no match)
+    num_matches: int  # earlier occurrences of that n-gram
+
+
+def lookup(tokens: np.ndarray, k: int, max_ngram: int = 3, min_ngram: int = 1, max_continuations: int = 8) -> Lookup:
+    """Find continuations of the longest suffix n-gram of ``tokens`` (1-D int array) seen before."""
+    length = len(tokens)
+    conts: list[np.ndarray] = []
+    seen: set[bytes] = set()
+    best_n = count = 0
+    if k <= 0 or length < 2:
+        return Lookup(conts, 0, 0)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = sliding_window_view(tokens[: length - 1], n)  # (length - n, n): starts with a successor
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if hits.size == 0:
+            continue
+        if best_n == 0:
+            best_n, count = n, int(hits.size)
+        for i in hits[::-1]:  # most recent first
+            cont = tokens[i + n : i + n + k]
+            key = cont.tobytes()
+            if key not in seen:
+                seen.add(key)
+                conts.append(cont)
+                if len(conts) >= max_continuations:
+                    return Lookup(conts, best_n, count)
+    return Lookup(conts, best_n, count)
+
+
+def fill_tree(continuations: list[np.ndarray], shape: TreeShape) -> tuple[np.ndarray, np.ndarray]:
+    """Map continuations onto rank-path slots via a trie.
+
+    Returns (tokens (n,) int64 with tokens[0] unset, present (n,) bool). Node ``(r1..rd)`` holds
+    the r_d-th distinct next token (in preference order) after the trie node ``(r1..r(d-1))``.
+    """
+    children: dict[tuple[int, ...], list[int]] = {(): []}
+    for cont in continuations:
+        prefix: tuple[int, ...] = ()
+        for t in cont.tolist():
+            nxt = prefix + (t,)
+            if nxt not in children:
+                children[prefix].append(t)
+                children[nxt] = []
+            prefix = nxt
+    n = len(shape.paths)
+    tokens = np.zeros(n, dtype=np.int64)
+    present = np.zeros(n, dtype=bool)
+    present[0] = True
+    trie_path: list[tuple[int, ...] | None] = [()] + [None] * (n - 1)
+    for i in range(1, n):
+        parent_path = trie_path[shape.parent[i]]
+        if parent_path is None:
+            continue
+        kids = children[parent_path]
+        r = shape.rank[i]
+        if r < len(kids):
+            tokens[i] = kids[r]
+            present[i] = True
+            trie_path[i] = parent_path + (kids[r],)
+    return tokens, present
+
+
+def ngram_tree(
+    seq: np.ndarray, shape: TreeShape, max_ngram: int = 3, min_ngram: int = 1
+) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The n-gram drafter's whole decision for one sequence (shared with the replay backend).
+
+    Returns (tokens (n,), present (n,), match_len, num_matches); tokens[0] is the root.
+    """
+    # a chain needs one continuation; a tree may need one per node to fill deeper branches
+    want = 1 if shape.max_children <= 1 else min(16, shape.num_nodes)
+    found = lookup(seq, shape.max_depth, max_ngram, min_ngram, max_continuations=want)
+    tokens, present = fill_tree(found.continuations, shape)
+    tokens[0] = seq[-1]
+    return tokens, present, found.match_len, found.num_matches
+
+
+class NGramDrafter:
+    """Model-free prompt-lookup drafter (the CPU default)."""
+
+    name: ClassVar[str] = "ngram"
+
+    def __init__(self, device: torch.device | str = "cpu", max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ConfigError(
+                f"n-gram sizes min_ngram={min_ngram}, max_ngram={max_ngram} are invalid. "
+                "Allowed: 1 <= min_ngram <= max_ngram. Fix: e.g. min_ngram=1, max_ngram=3."
+            )
+        self.device = torch.device(device)
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def join(self, seqs: list[np.ndarray]) -> None:  # stateless
+        pass
+
+    def select_rows(self, index: list[int]) -> None:
+        pass
+
+    def commit(self, path: np.ndarray, accept_len: np.ndarray) -> None:
+        pass
+
+    def propose(
+        self,
+        seqs: list[np.ndarray],
+        shape: TreeShape,
+        present: np.ndarray,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        bsz, n = len(seqs), len(shape.paths)
+        tokens = np.zeros((bsz, n), dtype=np.int64)
+        have = np.zeros((bsz, n), dtype=bool)
+        stats = np.zeros((bsz, 2), dtype=np.float32)
+        for b, seq in enumerate(seqs):
+            tokens[b], have[b], match_len, num_matches = ngram_tree(seq, shape, self.max_ngram, self.min_ngram)
+            stats[b] = (match_len, num_matches)
+        st = torch.from_numpy(stats).to(self.device)
+        zeros = torch.zeros(bsz, device=self.device)
+        return Draft(
+            tokens=torch.from_numpy(tokens).to(self.device),
+            present=torch.from_numpy(have & present).to(self.device),
+            probs=None,
+            top1=(st[:, 0] > 0).float(),
+            entropy=zeros,
+            match_len=st[:, 0],
+            num_matches=st[:, 1],
+        )
