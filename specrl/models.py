@@ -25,6 +25,9 @@ from specrl.device import resolve_device, resolve_dtype
 from specrl.errors import ModelLoadError, RequestError, TokenizerMismatchError
 
 DEFAULT_ALIASES = ("default", "smollm2-135m-instruct", "SmolLM2-135M-Instruct")
+# The trained draft for the default target ships inside the package (layers only: it borrows
+# the target's embeddings and head at load time); see specrl/drafttrain/shipped.py.
+SHIPPED_DRAFT_ALIASES = ("default-draft",)
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,11 @@ class ModelPair:
         dt = resolve_dtype(dtype, dev)
         tmodel, ttok, tname = load_causal_lm(target, dev, dt)
         dmodel = dname = None
-        if draft is not None:
+        if draft in SHIPPED_DRAFT_ALIASES:
+            from specrl.drafttrain.shipped import load_shipped_draft
+
+            dmodel, dname = load_shipped_draft(tmodel, tname), draft
+        elif draft is not None:
             dmodel, dtok, dname = load_causal_lm(draft, dev, dt)
             check_same_tokenizer(ttok, dtok, tname, dname)
         return cls.from_models(tmodel, dmodel, tokenizer=ttok, target_name=tname, draft_name=dname)
