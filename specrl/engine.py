@@ -305,7 +305,9 @@ class SpecEngine:
         # the target cache keeps the root and the accepted nodes of each row
         max_keep = int(accept_len.max()) + 1
         cols = base + out.path[:, :max_keep].clamp_min(0)
-        self.cache.keep(base, cols, out.accept_len + 1, max_keep)
+        # accepted chains are already in place (node j at column base + j): no data movement
+        in_place = bool(((path[:, :max_keep] == np.arange(max_keep)) | (path[:, :max_keep] < 0)).all())
+        self.cache.keep(base, cols, out.accept_len + 1, max_keep, in_place=in_place)
         if proposed:
             self.drafter.commit(path, accept_len)
 

@@ -138,15 +138,19 @@ class RaggedKVCache:
         return out.logits, hidden
 
     # ----- commit / rollback --------------------------------------------------------------------
-    def keep(self, start: int, cols: torch.Tensor, counts: torch.Tensor, max_count: int) -> None:
+    def keep(
+        self, start: int, cols: torch.Tensor, counts: torch.Tensor, max_count: int, in_place: bool = False
+    ) -> None:
         """Commit per row the tentative columns ``cols[b, :counts[b]]`` (absolute, >= start).
 
         They are moved to ``[start, start + counts[b])`` in order; every other column >= start is
         dropped. ``cols``: (B, m) long, entries beyond ``counts`` are ignored; ``max_count`` is
-        ``counts.max()`` already known on the host (avoids a device sync).
+        ``counts.max()`` already known on the host (avoids a device sync). ``in_place=True``
+        promises ``cols[b, j] == start + j`` (plain decoding, accepted chains), which skips the
+        data movement.
         """
         bsz = cols.shape[0]
-        if max_count > 0:
+        if max_count > 0 and not in_place:
             src = cols[:, :max_count].clamp(min=start, max=self.T - 1)  # (B, m)
             for store in (self.keys, self.values):
                 for i, buf in enumerate(store):
