@@ -11,6 +11,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("specrl.demo", "the main job on the embedded default model"),
     "generate": ("specrl.generate", "decode prompts with speculative decoding"),
+    "profile": ("specrl.profiling", "measure the step cost model on this machine"),
 }
 
 

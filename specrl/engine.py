@@ -88,6 +88,9 @@ class StepResult:
     num_matches: np.ndarray  # (B,) float: earlier n-gram matches (n-gram drafter)
     context_len: np.ndarray  # (B,) int: sequence length before the step
     tree_tokens: int  # tokens per row in the verify pass (root + draft nodes after pruning)
+    level_sizes: tuple[int, ...]  # nodes per depth 1..k of the verify tree (what a draft model forwards)
+    prefill_rows: int  # requests admitted (prefilled) at the start of this step
+    prefill_len: int  # longest prompt among them, tokens
     finished: list[int]  # request ids that finished this step
     prefill_time: float  # seconds spent admitting new requests
     draft_time: float
@@ -241,7 +244,9 @@ class SpecEngine:
         sw = Stopwatch(self.device)
         sw.start("step")
         sw.start("prefill")
+        n_before = len(self.rows)
         self.admit()
+        joined = self.rows[n_before:]
         sw.stop("prefill")
         if not self.rows:
             raise RequestError("step() called with no running or waiting requests. Fix: add_request() first.")
@@ -266,9 +271,11 @@ class SpecEngine:
                 )
             vshape, tree = self._tree_tensors(shape, keep)
         else:
-            zeros = torch.zeros(bsz, device=dev)
             roots = torch.tensor([int(s[-1]) for s in seqs], device=dev)[:, None]
-            draft = Draft(roots, torch.ones_like(roots, dtype=torch.bool), None, zeros, zeros, zeros, zeros)
+            # no draft round: report what a cheap probe can tell (n-gram matches), NaN otherwise
+            probe = getattr(self.drafter, "probe", None)
+            stats = probe(seqs) if probe is not None else torch.full((bsz, 4), float("nan"), device=dev)
+            draft = Draft(roots, torch.ones_like(roots, dtype=torch.bool), None, *stats.unbind(1))
             vshape, tree = self._tree_tensors(shape, None)
         sw.stop("draft")
 
@@ -357,12 +364,22 @@ class SpecEngine:
             num_matches=conf[:, 3],
             context_len=context,
             tree_tokens=n,
+            level_sizes=tuple(int((vshape.depth == d).sum()) for d in range(1, vshape.max_depth + 1)),
+            prefill_rows=len(joined),
+            prefill_len=max((len(r.prompt) for r in joined), default=0),
             finished=[r.rid for r in finished],
             prefill_time=t.get("prefill", 0.0),
             draft_time=t.get("draft", 0.0),
             verify_time=t.get("verify", 0.0),
             step_time=t["step"],
         )
+
+    @torch.inference_mode()
+    def reset(self) -> None:
+        """Drop every running and waiting request (the drafter's state too)."""
+        self.cache.select_rows([])
+        self.drafter.select_rows([])
+        self.rows, self.waiting, self._finished = [], [], []
 
     def pop_finished(self) -> list[Request]:
         """Requests finished since the last call."""

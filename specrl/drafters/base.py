@@ -9,6 +9,11 @@ A drafter mirrors the engine's batch rows. The engine calls, in order:
 * ``commit(path, accept_len)`` after verification with host copies of the accepted paths, so
   a model drafter keeps exactly the accepted nodes in its cache;
 * ``select_rows(index)`` when requests leave (row ``i`` becomes old row ``index[i]``).
+
+Optionally ``probe(seqs) -> (B, 4)`` returns [top1, entropy, match_len, num_matches] without
+drafting; the engine calls it on k = 0 steps so a policy that stopped speculating still sees
+whether drafting would pay (the n-gram drafter implements it; a model drafter would need a
+forward pass, so its statistics are NaN = "not measured" on such steps).
 """
 
 from __future__ import annotations

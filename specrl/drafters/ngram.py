@@ -128,6 +128,14 @@ class NGramDrafter:
     def commit(self, path: np.ndarray, accept_len: np.ndarray) -> None:
         pass
 
+    def probe(self, seqs: list[np.ndarray]) -> torch.Tensor:
+        """(B, 4) [top1, entropy, match_len, num_matches] without drafting (for k = 0 steps)."""
+        out = np.zeros((len(seqs), 4), dtype=np.float32)
+        for b, seq in enumerate(seqs):
+            found = lookup(seq, 1, self.max_ngram, self.min_ngram, max_continuations=1)
+            out[b] = (float(found.match_len > 0), 0.0, found.match_len, found.num_matches)
+        return torch.from_numpy(out).to(self.device)
+
     def propose(
         self,
         seqs: list[np.ndarray],

@@ -1,0 +1,135 @@
+"""``specrl/SpecDecode-v0``: the live environment (real draft/target decoding)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from specrl.envs.base import SpecEnvBase
+from specrl.envs.config import EnvConfig
+from specrl.errors import ConfigError
+from specrl.serving import LiveBackend, ServingLoop
+from specrl.workload import PromptPool, Workload
+
+_PAIRS: dict[tuple, Any] = {}
+
+
+def shared_pair(cfg: EnvConfig) -> Any:
+    """Load (once per process) the model pair an env config names."""
+    from specrl.models import ModelPair
+
+    key = (cfg.model, cfg.draft if cfg.drafter == "model" else None, cfg.device, cfg.dtype)
+    if key not in _PAIRS:
+        _PAIRS[key] = ModelPair.load(cfg.model, key[1], cfg.device, cfg.dtype)
+    return _PAIRS[key]
+
+
+def prompt_pool(cfg: EnvConfig, pair: Any) -> PromptPool:
+    from specrl.prompts import load_prompts, split_prompts
+
+    prompts = load_prompts(cfg.prompts, cfg.categories)
+    if cfg.prompt_split != "all":
+        train, test = split_prompts(prompts, cfg.held_out, cfg.split_seed)
+        prompts = train if cfg.prompt_split == "train" else test
+    ids = [np.asarray(pair.encode_prompt(p.text), dtype=np.int64) for p in prompts]
+    return PromptPool(ids, [p.category for p in prompts])
+
+
+def cost_model_for(cfg: EnvConfig, pair: Any) -> Any:
+    from specrl.costs import CostModel
+    from specrl.profiling import default_cost_path
+
+    if cfg.cost_model == "analytic":
+        return CostModel.analytic()
+    path = cfg.cost_model or default_cost_path(pair, cfg.drafter)
+    try:
+        return CostModel.load(path)
+    except Exception as e:
+        raise ConfigError(f"{e} (needed by time_source='profiled' or the replay backend; "
+                          f"`specrl profile --model {cfg.model} --drafter {cfg.drafter}` writes it, or set "
+                          "cost_model: analytic for a synthetic one)") from e
+
+
+def time_function(cfg: EnvConfig, cost_model: Any) -> Any:
+    """StepResult -> seconds: measured wall clock, or the cost model's estimate."""
+    if cfg.time_source == "measured":
+        return lambda res: res.step_time
+
+    def profiled(res: Any) -> float:
+        ctx = float(np.mean(res.context_len)) if len(res.context_len) else 0.0
+        return cost_model.step_time(cfg.drafter, len(res.rids), res.tree_tokens, list(res.level_sizes), ctx,
+                                    res.prefill_rows, res.prefill_len)
+
+    return profiled
+
+
+class SpecDecodeEnv(SpecEnvBase):
+    """Choose the speculation length k and tree width w of every decode step of a serving engine.
+
+    ## Description
+    A serving workload (``workload``: closed loop, Poisson, bursty, phase-shifting or trace
+    arrivals; FIFO queue; at most ``max_batch_size`` running) drives a real speculative-decoding
+    engine: target ``model`` verifies, in one forward pass per step, the draft trees that
+    ``drafter`` proposes for every running request. One env step is one engine step for the
+    whole running batch. The best (k, w) depends on the load (at large batch the verify pass is
+    compute-bound and k = 0 wins) and on acceptance (how well the draft predicts this text).
+    Decoding is lossless: the committed tokens do not depend on the actions.
+
+    ## Action Space
+    ``MultiDiscrete([len(k_choices), len(w_choices)])``: indices into the named tables
+    (default k in (0, 1, 2, 3, 4, 6, 8), w in (1, 2, 3, 4)). k = 0 is plain decoding (w ignored);
+    w = 1 is a chain; (k, w) is the rank-path tree of depth k with k * w draft nodes.
+
+    ## Observation Space
+    ``Box(0, 1e6, (22,), float32)``: feature schema version 1 (``specrl.features``): load
+    (batch size, queue length, arrival-rate estimate, mean / max context), EMA acceptance rate
+    per draft depth 1..8, last mean accept length, draft confidence (top-1 probability, entropy;
+    n-gram match length and count), previous action. Computed before the step's draft round.
+
+    ## Rewards
+    * ``throughput``: tokens committed in the step. Episodes have a fixed simulated-time
+      horizon, so the return is throughput x horizon (a per-step tokens/second ratio would
+      reward short steps and is not used).
+    * ``latency``: -(request-seconds spent in the system during the step); the return is minus
+      the total time requests spend in the system (Little's law), i.e. mean latency x count.
+    * ``slo``: tokens of requests still within their TTFT / TPOT SLO minus ``slo_penalty`` per
+      request whose SLO breaks.
+    ``switch_cost`` is subtracted when the action changes; everything is scaled by ``reward_scale``.
+
+    ## Starting State
+    ``reset(seed)`` seeds the workload: the load level (one of ``concurrency`` / ``rate`` when
+    given as lists; ``options={"level": {...}}`` pins it), the arrivals and the prompt order.
+    Requests arriving at t = 0 are admitted; the clock starts at the first arrival.
+
+    ## Episode End
+    Truncated when the simulated clock passes ``horizon_s``; terminated if the workload runs
+    out first (a finite trace). ``max_episode_steps`` from the registration caps steps.
+
+    ## Arguments
+    ``gym.make("specrl/SpecDecode-v0", config="envs/closed-loop.yaml", **overrides)`` or any
+    ``EnvConfig`` field as a keyword (dotted keys such as ``**{"workload.rate": 4.0}``);
+    ``pair=`` passes an already loaded ``ModelPair``. ``time_source``: ``measured`` (wall clock,
+    CUDA events on GPU) or ``profiled`` (the cost model: deterministic time for a seed).
+
+    ## Version History
+    * v0: initial version (feature schema 1).
+    """
+
+    def __init__(self, config: Any = None, pair: Any = None, **overrides: Any) -> None:
+        self._pair = pair
+        super().__init__(config, **overrides)
+
+    def _build_loop(self) -> ServingLoop:
+        from specrl.engine import SpecEngine
+        from specrl.sampling import SamplingParams
+
+        cfg = self.cfg
+        pair = self._pair or shared_pair(cfg)
+        self.pair = pair
+        pool = prompt_pool(cfg, pair)
+        engine = SpecEngine(pair, drafter=cfg.drafter, sampling=SamplingParams(cfg.temperature, cfg.top_p))
+        cost = cost_model_for(cfg, pair) if cfg.time_source == "profiled" else None
+        self.engine = engine
+        return ServingLoop(LiveBackend(engine, pool.ids), Workload(cfg.workload, pool), time_function(cfg, cost),
+                           cfg.horizon_s)

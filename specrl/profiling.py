@@ -1,0 +1,185 @@
+"""``specrl profile``: measure the cost model (see specrl/costs.py) on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specrl.costs import CostModel, provenance
+from specrl.device import Stopwatch
+from specrl.kvcache import RaggedKVCache, prefill
+
+DEFAULT_BATCH = (1, 2, 4, 8, 16)
+DEFAULT_TOKENS = (1, 2, 3, 5, 9, 17, 33)
+DEFAULT_CONTEXT = (128, 512, 1024)
+
+
+def _time(fn, device: torch.device, reps: int) -> float:
+    fn()  # warm-up
+    out = []
+    for _ in range(reps):
+        sw = Stopwatch(device)
+        sw.start("x")
+        fn()
+        sw.stop("x")
+        out.append(sw.seconds()["x"])
+    return statistics.median(out)
+
+
+@torch.inference_mode()
+def _forward_grid(model, device, batch, tokens, context, reps, vocab, bar) -> np.ndarray:
+    grid = np.zeros((len(batch), len(tokens), len(context)))
+    rng = np.random.default_rng(0)
+    for k, c in enumerate(context):
+        for i, b in enumerate(batch):
+            cache = RaggedKVCache()
+            for _ in range(b):  # row by row keeps prefill memory small
+                prefill(model, cache, [rng.integers(0, vocab, size=c + 1)], device)
+            for j, n in enumerate(tokens):
+                ids = torch.as_tensor(rng.integers(0, vocab, size=(b, n)), device=device)
+                pos = torch.full((b, n), c, device=device) + torch.arange(n, device=device)
+                tail = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None].expand(b, n, n)
+
+                def once():
+                    base = cache.T
+                    cache.forward(model, ids, pos, tail, base)
+                    cache.keep(base, torch.full((b, 1), base, device=device), torch.zeros(b, dtype=torch.long,
+                                                                                          device=device), 0)
+
+                grid[i, j, k] = _time(once, device, reps)
+                bar.update(1)
+    return grid
+
+
+def profile_costs(
+    pair, drafter: str = "ngram", batch=DEFAULT_BATCH, tokens=DEFAULT_TOKENS, context=DEFAULT_CONTEXT,
+    reps: int = 3, progress: bool = True,
+) -> CostModel:
+    """Measure every cost-model term for ``pair`` on its device."""
+    from specrl.drafters.ngram import NGramDrafter
+    from specrl.engine import Action, SpecEngine
+    from specrl.sampling import SamplingParams
+    from specrl.tree import tree_shape
+
+    dev, vocab = pair.device, pair.vocab_size
+    n_grid = len(batch) * len(tokens) * len(context)
+    with_draft = drafter == "model" and pair.draft is not None
+    total = n_grid * (2 if with_draft else 1) + 3
+    with tqdm(total=total, desc="profiling", disable=not progress, unit="pt") as bar:
+        verify = _forward_grid(pair.target, dev, batch, tokens, context, reps, vocab, bar)
+        draft = _forward_grid(pair.draft, dev, batch, tokens, context, reps, vocab, bar) if with_draft else None
+        rng = np.random.default_rng(1)
+
+        # n-gram lookups: host time per row on mid-length sequences with repetitions
+        seqs = [np.tile(rng.integers(0, vocab, size=64), 8) for _ in range(8)]
+        ng = NGramDrafter(dev)
+        shape = tree_shape(4, 2)
+        present = np.ones((len(seqs), len(shape.paths)), bool)
+        per_row = _time(lambda: ng.propose(seqs, shape, present, SamplingParams(), None), dev, reps) / len(seqs)
+        bar.update(1)
+
+        # fixed per-step overhead: engine k = 0 step minus the bare forward it contains
+        over = []
+        for b in batch:
+            eng = SpecEngine(pair, drafter="ngram")
+            for _ in range(b):
+                eng.add_request(rng.integers(0, vocab, size=context[0]), max_new_tokens=64)
+            eng.step(Action(0, 1))  # prefill
+            times = [eng.step(Action(0, 1)).step_time for _ in range(max(3, reps))]
+            bare = verify[list(batch).index(b), 0, 0]
+            over.append(max(0.0, statistics.median(times) - bare))
+        slope, icpt = np.polyfit(np.asarray(batch, float), np.asarray(over), 1)
+        overhead = (float(max(icpt, 0.0)), float(max(slope, 0.0)))
+        bar.update(1)
+
+        # prefill: a + b * rows + c * rows * len
+        xs, ys = [], []
+        for rows, length in ((1, 64), (1, 256), (1, 512), (2, 64), (2, 256), (4, 64), (4, 128)):
+            seq_batch = [rng.integers(0, vocab, size=length + 1) for _ in range(rows)]
+
+            def once():
+                prefill(pair.target, RaggedKVCache(), seq_batch, dev)
+                if with_draft:
+                    prefill(pair.draft, RaggedKVCache(), seq_batch, dev)
+
+            with torch.inference_mode():
+                ys.append(_time(once, dev, max(2, reps // 2)))
+            xs.append((1.0, rows, rows * length))
+        coef, *_ = np.linalg.lstsq(np.asarray(xs, float), np.asarray(ys), rcond=None)
+        bar.update(1)
+    return CostModel(
+        list(batch), list(tokens), list(context), verify.tolist(),
+        None if draft is None else draft.tolist(), float(per_row), overhead,
+        tuple(float(max(c, 0.0)) for c in coef),  # type: ignore[arg-type]
+        provenance(pair, drafter),
+    )
+
+
+def plot_costs(cm: CostModel, path: str | Path) -> Path:
+    """Verify latency per token vs tokens per row, one line per batch size (mid context)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ctx = cm.context[len(cm.context) // 2]
+    for b in cm.batch:
+        t = [cm.verify_time(b, n, ctx) for n in cm.tokens]
+        axes[0].plot(cm.tokens, [1000 * x for x in t], marker="o", label=f"batch {b}")
+        axes[1].plot(cm.tokens, [x / cm.verify_time(b, 1, ctx) for x in t], marker="o", label=f"batch {b}")
+    axes[0].set(xscale="log", xlabel="tokens per row (1 + tree nodes)", ylabel="verify pass (ms)",
+                title=f"Target verify latency, context {ctx}")
+    axes[1].set(xscale="log", xlabel="tokens per row (1 + tree nodes)", ylabel="relative to 1 token",
+                title="Cost of verifying a tree vs plain decoding")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{cm.provenance.get('target', '?')} on {cm.provenance.get('device_name', '?')} "
+                 f"({cm.provenance.get('dtype', '?')})")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def default_cost_path(pair, drafter: str) -> Path:
+    from specrl.models import cache_root
+
+    dt = str(pair.dtype).replace("torch.", "")
+    tag = f"{pair.target_name}-{pair.draft_name or 'nodraft'}-{drafter}-{dt}-{pair.device.type}"
+    return cache_root() / "costs" / f"{tag}.json"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from specrl.generate import add_model_args
+
+    add_model_args(p)
+    p.add_argument("-o", "--output", default=None, help="JSON path (default: the specrl cache)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="a coarse grid (for smoke tests)")
+    p.add_argument("--plot", default=None, help="PNG path for the latency surfaces (default: beside the JSON)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specrl.models import ModelPair
+
+    pair = ModelPair.load(args.model, args.draft if args.drafter == "model" else None, args.device, args.dtype)
+    kw = {}
+    if args.quick:
+        kw = dict(batch=(1, 4), tokens=(1, 5), context=(64, 256))
+    cm = profile_costs(pair, args.drafter, reps=args.reps, **kw)
+    out = Path(args.output) if args.output else default_cost_path(pair, args.drafter)
+    cm.save(out)
+    png = plot_costs(cm, args.plot or out.with_suffix(".png"))
+    b1 = cm.verify_time(1, 1, cm.context[0])
+    print(f"cost model written to {out} (plot {png}); target step at batch 1: {1000 * b1:.1f} ms; "
+          f"9 tokens {cm.verify_time(1, 9, cm.context[0]) / b1:.2f}x; batch 8: {cm.verify_time(8, 1, cm.context[0]) / b1:.2f}x")
+    return 0
