@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("specrl.demo", "the main job on the embedded default model"),
     "generate": ("specrl.generate", "decode prompts with speculative decoding"),
     "profile": ("specrl.profiling", "measure the step cost model on this machine"),
+    "collect": ("specrl.collect", "record decode traces for the replay env"),
 }
 
 

@@ -115,7 +115,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
     """Apply ``key.sub=value`` overrides (values parsed as YAML) to a nested mapping."""
-    items = overrides.items() if isinstance(overrides, dict) else [_split(o) for o in overrides]
+    items = overrides.items() if isinstance(overrides, dict) else [split_override(o) for o in overrides]
     out = {**data}
     for key, value in items:
         node = out
@@ -127,7 +127,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any])
     return out
 
 
-def _split(item: str) -> tuple[str, Any]:
+def split_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"Override {item!r} is not of the form key=value. Fix: e.g. --set workload.rate=4.")
     key, raw = item.split("=", 1)

@@ -162,6 +162,14 @@ class CostModel:
                          provenance=provenance or {"kind": "analytic"})
 
 
+def cost_path(model: str, draft: str | None, drafter: str, dtype: str = "auto", device: str = "auto") -> Path:
+    """The cached profile for a model pair / drafter / requested dtype and device."""
+    from specrl.models import cache_root, display_name
+
+    d = Path(str(draft)).name if drafter == "model" and draft else "nodraft"
+    return cache_root() / "costs" / f"{display_name(model)}-{d}-{drafter}-{dtype}-{device}.json"
+
+
 def provenance(pair: Any, drafter: str) -> dict[str, Any]:
     import torch
 

@@ -29,19 +29,9 @@ from specrl.errors import ConfigError, RequestError
 from specrl.kvcache import RaggedKVCache, prefill
 from specrl.models import ModelPair
 from specrl.sampling import SamplingParams
-from specrl.tree import MAX_K, TreeShape, check_action, tree_shape
+from specrl.step import Action, StepResult
+from specrl.tree import MAX_K, TreeShape, tree_shape
 from specrl.verify import TreeTensors, verify
-
-
-@dataclass(frozen=True)
-class Action:
-    """Speculation length k (tree depth, 0 = off) and tree width w (1 = chain)."""
-
-    k: int
-    w: int = 1
-
-    def __post_init__(self) -> None:
-        check_action(self.k, self.w)
 
 
 ActionLike = Action | tuple[int, int] | Sequence[Action]
@@ -70,40 +60,6 @@ class Request:
     @property
     def output(self) -> np.ndarray:
         return self.tokens[len(self.prompt) : self.length]
-
-
-@dataclass
-class StepResult:
-    """What one engine step did. Arrays are indexed by row (B = running batch size)."""
-
-    rids: list[int]  # (B,) request ids of the rows stepped
-    actions: list[Action]  # (B,) action each row ran with
-    committed: list[np.ndarray]  # (B,) tokens committed per row (after EOS / length truncation)
-    num_committed: np.ndarray  # (B,) int
-    accept_len: np.ndarray  # (B,) int: accepted draft tokens (bonus excluded)
-    draft_depth: np.ndarray  # (B,) int: depth of the row's drafted tree (nodes actually proposed)
-    draft_top1: np.ndarray  # (B,) float: draft prob. of its first token (model drafter; n-gram: 1 if matched)
-    draft_entropy: np.ndarray  # (B,) float: entropy of the first draft distribution (model drafter)
-    match_len: np.ndarray  # (B,) float: n-gram match length (n-gram drafter)
-    num_matches: np.ndarray  # (B,) float: earlier n-gram matches (n-gram drafter)
-    context_len: np.ndarray  # (B,) int: sequence length before the step
-    tree_tokens: int  # tokens per row in the verify pass (root + draft nodes after pruning)
-    level_sizes: tuple[int, ...]  # nodes per depth 1..k of the verify tree (what a draft model forwards)
-    prefill_rows: int  # requests admitted (prefilled) at the start of this step
-    prefill_len: int  # longest prompt among them, tokens
-    finished: list[int]  # request ids that finished this step
-    prefill_time: float  # seconds spent admitting new requests
-    draft_time: float
-    verify_time: float
-    step_time: float  # whole step, prefill included
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.rids)
-
-    def accepted_at_depth(self, depth: int) -> np.ndarray:
-        """(B, depth) bool: draft token at depth d+1 was accepted."""
-        return self.accept_len[:, None] > np.arange(depth)[None, :]
 
 
 @lru_cache(maxsize=512)
@@ -332,6 +288,8 @@ class SpecEngine:
             r.tokens[r.length : r.length + new.size] = new
             r.length += new.size
             r.steps += 1
+            # drafts accepted past EOS / the length limit are not committed: do not count them
+            accept_len[b] = min(accept_len[b], new.size)
             r.accepted += int(accept_len[b])
             if r.t_first is None:
                 r.t_first = now

@@ -17,12 +17,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from specrl.device import resolve_device, resolve_dtype
 from specrl.errors import ModelLoadError, RequestError, TokenizerMismatchError
+
+if TYPE_CHECKING:  # torch is imported lazily so that names and aliases are cheap to use
+    import torch
 
 DEFAULT_ALIASES = ("default", "smollm2-135m-instruct", "SmolLM2-135M-Instruct")
 # The trained draft for the default target ships inside the package (layers only: it borrows
@@ -93,6 +93,16 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def display_name(spec: str) -> str:
+    """The name a loaded model reports (``ModelPair.target_name``), without loading it."""
+    if spec in DEFAULT_ALIASES:
+        return SMOLLM2.name
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return path.stem
+    return path.name if path.exists() else spec
 
 
 def resolve_model_dir(spec: str) -> tuple[Path | str, dict[str, Any], str]:
@@ -201,6 +211,8 @@ class ModelPair:
         dtype: str | torch.dtype | None = None,
     ) -> ModelPair:
         """Load a target (and draft) by HF id, local directory, GGUF file or alias; offline only."""
+        from specrl.device import resolve_device, resolve_dtype
+
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         tmodel, ttok, tname = load_causal_lm(target, dev, dt)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specrl.costs import CostModel, provenance
+from specrl.costs import CostModel, cost_path, provenance
 from specrl.device import Stopwatch
 from specrl.kvcache import RaggedKVCache, prefill
 
@@ -150,14 +150,6 @@ def plot_costs(cm: CostModel, path: str | Path) -> Path:
     return path
 
 
-def default_cost_path(pair, drafter: str) -> Path:
-    from specrl.models import cache_root
-
-    dt = str(pair.dtype).replace("torch.", "")
-    tag = f"{pair.target_name}-{pair.draft_name or 'nodraft'}-{drafter}-{dt}-{pair.device.type}"
-    return cache_root() / "costs" / f"{tag}.json"
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     from specrl.generate import add_model_args
 
@@ -176,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         kw = dict(batch=(1, 4), tokens=(1, 5), context=(64, 256))
     cm = profile_costs(pair, args.drafter, reps=args.reps, **kw)
-    out = Path(args.output) if args.output else default_cost_path(pair, args.drafter)
+    out = Path(args.output) if args.output else cost_path(args.model, args.draft, args.drafter, args.dtype, args.device)
     cm.save(out)
     png = plot_costs(cm, args.plot or out.with_suffix(".png"))
     b1 = cm.verify_time(1, 1, cm.context[0])

@@ -19,13 +19,42 @@ def default_pair():
     return ModelPair.load("default", device="cpu")
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny random Llama + word-level tokenizer over the built-in prompts' words."""
+def _builtin_words():
     import re
 
     from specrl.prompts import load_prompts
+
+    return sorted({w for p in load_prompts("builtin") for w in re.findall(r"\S+", p.text)})[:3000]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama + word-level tokenizer over the built-in prompts' words."""
     from tiny import save_tiny
 
-    words = sorted({w for p in load_prompts("builtin") for w in re.findall(r"\S+", p.text)})[:3000]
-    return str(save_tiny(tmp_path_factory.mktemp("tiny") / "model", words, seed=0, max_pos=4096))
+    return str(save_tiny(tmp_path_factory.mktemp("tiny") / "model", _builtin_words(), seed=0, max_pos=4096))
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tmp_path_factory):
+    """(target dir, draft dir): a tiny target and a perturbed copy as its draft, same tokenizer.
+
+    The vocabulary is the 14 most frequent words of the built-in prompts (+ [UNK], </s>): a
+    16-token model loops soon, so the n-gram drafter is accepted often, and </s> ends some
+    requests early."""
+    import collections
+    import re
+
+    from specrl.prompts import load_prompts
+    from tiny import save_tiny_pair
+
+    counts = collections.Counter(w for p in load_prompts("builtin") for w in re.findall(r"\S+", p.text))
+    words = sorted(w for w, _ in counts.most_common(14))
+    return save_tiny_pair(tmp_path_factory.mktemp("tinypair"), words, noise=0.05, seed=3)
+
+
+@pytest.fixture()
+def isolated_cache(tmp_path, monkeypatch):
+    """Point the specrl cache (traces, costs, replay tables) at a temporary folder."""
+    monkeypatch.setenv("SPECRL_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"

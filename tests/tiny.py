@@ -58,3 +58,17 @@ def save_tiny(path, words: list[str], seed: int = 0, max_pos: int = 512):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def save_tiny_pair(root, words: list[str], noise: float = 0.05, seed: int = 0, max_pos: int = 4096):
+    """Target and perturbed-copy draft directories sharing one tokenizer."""
+    from pathlib import Path
+
+    root = Path(root)
+    tok = tiny_tokenizer(words)
+    target = tiny_llama(vocab=len(tok), seed=seed, max_pos=max_pos, dtype=torch.float32)
+    draft = perturbed_copy(target, noise, seed=seed + 1)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return str(root / "target"), str(root / "draft")

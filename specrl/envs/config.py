@@ -128,3 +128,21 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
             candidate = base / value
             if candidate.exists() and not Path(value).exists():
                 holder[key] = str(candidate)
+
+
+def load_cost_model(cfg: EnvConfig) -> Any:
+    """The cost model a replay env (or a profiled live env) charges: without loading models."""
+    from specrl.costs import CostModel, cost_path
+
+    if cfg.cost_model == "analytic":
+        return CostModel.analytic()
+    path = Path(cfg.cost_model) if cfg.cost_model else cost_path(cfg.model, cfg.draft, cfg.drafter, cfg.dtype, cfg.device)
+    try:
+        return CostModel.load(path)
+    except Exception as e:
+        raise ConfigError(
+            f"{e} (the cost model charges time in the replay env and with time_source=profiled). Fix: run "
+            f"`specrl profile --model {cfg.model} --drafter {cfg.drafter}"
+            f"{' --draft ' + str(cfg.draft) if cfg.drafter == 'model' else ''} --dtype {cfg.dtype}`, "
+            "or set cost_model: analytic for a synthetic one."
+        ) from e

@@ -7,8 +7,7 @@ from typing import Any
 import numpy as np
 
 from specrl.envs.base import SpecEnvBase
-from specrl.envs.config import EnvConfig
-from specrl.errors import ConfigError
+from specrl.envs.config import EnvConfig, load_cost_model
 from specrl.serving import LiveBackend, ServingLoop
 from specrl.workload import PromptPool, Workload
 
@@ -34,21 +33,6 @@ def prompt_pool(cfg: EnvConfig, pair: Any) -> PromptPool:
         prompts = train if cfg.prompt_split == "train" else test
     ids = [np.asarray(pair.encode_prompt(p.text), dtype=np.int64) for p in prompts]
     return PromptPool(ids, [p.category for p in prompts])
-
-
-def cost_model_for(cfg: EnvConfig, pair: Any) -> Any:
-    from specrl.costs import CostModel
-    from specrl.profiling import default_cost_path
-
-    if cfg.cost_model == "analytic":
-        return CostModel.analytic()
-    path = cfg.cost_model or default_cost_path(pair, cfg.drafter)
-    try:
-        return CostModel.load(path)
-    except Exception as e:
-        raise ConfigError(f"{e} (needed by time_source='profiled' or the replay backend; "
-                          f"`specrl profile --model {cfg.model} --drafter {cfg.drafter}` writes it, or set "
-                          "cost_model: analytic for a synthetic one)") from e
 
 
 def time_function(cfg: EnvConfig, cost_model: Any) -> Any:
@@ -129,7 +113,7 @@ class SpecDecodeEnv(SpecEnvBase):
         self.pair = pair
         pool = prompt_pool(cfg, pair)
         engine = SpecEngine(pair, drafter=cfg.drafter, sampling=SamplingParams(cfg.temperature, cfg.top_p))
-        cost = cost_model_for(cfg, pair) if cfg.time_source == "profiled" else None
+        cost = load_cost_model(cfg) if cfg.time_source == "profiled" else None
         self.engine = engine
         return ServingLoop(LiveBackend(engine, pool.ids), Workload(cfg.workload, pool), time_function(cfg, cost),
                            cfg.horizon_s)

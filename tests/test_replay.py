@@ -1,0 +1,160 @@
+"""Traces, replay tables and the replay env reproduce the live engine (greedy)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specrl.engine import Action, SpecEngine
+from specrl.errors import ConfigError, TraceError
+from specrl.models import ModelPair
+from specrl.prompts import load_prompts
+from specrl.replay import ReplayBackend, ReplayTables, action_table
+from specrl.serving import LiveBackend
+from specrl.traces import Traces, collect_traces
+
+K, W = [0, 1, 2, 4, 6], [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def tiny_traces(tiny_pair_dirs, tmp_path_factory):
+    """Traces for 16 built-in prompts with both drafters (float64: no numerical near-ties)."""
+    target, draft = tiny_pair_dirs
+    pair = ModelPair.load(target, draft=draft, device="cpu", dtype="float64")
+    prompts = load_prompts("builtin")[::6]
+    out = {}
+    for drafter in ("ngram", "model"):
+        path = tmp_path_factory.mktemp("tr") / f"tiny-{drafter}"
+        out[drafter] = collect_traces(pair, prompts, drafter, max_new_tokens=40, batch_size=4, progress=False,
+                                      out=path)
+        out[drafter + "_path"] = path
+    return pair, prompts, out
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_replay_step_outcomes_equal_live_engine(tiny_traces, drafter):
+    """Lockstep: same admissions and actions; every step's accept lengths, drafted depths,
+    verify width and commit counts are identical in live and replay."""
+    pair, prompts, tr = tiny_traces
+    traces = tr[drafter]
+    tables = ReplayTables.build(traces, action_table(K, W), drafter, progress=False)
+    live = LiveBackend(SpecEngine(pair, drafter=drafter), traces.prompt_ids)
+    rep = ReplayBackend(tables, list(range(len(traces))), K, W, drafter)
+    rng = np.random.default_rng(0)
+    queue = list(range(len(traces)))
+    rid, running, steps, accepted = 0, set(), 0, 0
+    while queue or running:
+        while queue and len(running) < 4:
+            p = queue.pop(0)
+            live.add(rid, p, 40)
+            rep.add(rid, p, 40)
+            running.add(rid)
+            rid += 1
+        act = Action(int(rng.choice(K)), int(rng.choice(W)))
+        a, b = live.step(act), rep.step(act)
+        assert a.rids == b.rids
+        np.testing.assert_array_equal(a.accept_len, b.accept_len)
+        np.testing.assert_array_equal(a.num_committed, b.num_committed)
+        np.testing.assert_array_equal(a.draft_depth, b.draft_depth)
+        assert a.tree_tokens == b.tree_tokens and a.level_sizes == b.level_sizes
+        assert a.prefill_rows == b.prefill_rows and a.prefill_len == b.prefill_len
+        np.testing.assert_allclose(a.match_len, b.match_len)
+        np.testing.assert_allclose(a.num_matches, b.num_matches)
+        if drafter == "model" and act.k > 0:
+            np.testing.assert_allclose(a.draft_top1, b.draft_top1, rtol=1e-4)
+        assert sorted(a.finished) == sorted(b.finished)
+        running -= set(a.finished)
+        steps += 1
+        accepted += int(a.accept_len.sum())
+    assert steps > 20 and accepted > 10
+
+
+def test_trace_roundtrip_and_corruption(tiny_traces, tmp_path):
+    _, _, tr = tiny_traces
+    path = tr["model_path"]
+    t = Traces.load(path)
+    assert len(t) == 16 and t.ranks is not None and t.meta["drafter"] == "model"
+    # a truncated tensor file fails the checksum
+    st = path.with_suffix(".safetensors")
+    bad = tmp_path / "bad"
+    bad.with_suffix(".safetensors").write_bytes(st.read_bytes()[:-100])
+    bad.with_suffix(".json").write_text(path.with_suffix(".json").read_text())
+    with pytest.raises(TraceError, match="checksum"):
+        Traces.load(bad)
+    # recorded for another tokenizer / model
+    with pytest.raises(TraceError, match="tokenizer='.*', but 'abc' is needed.*specrl collect"):
+        Traces.load(path, expect={"tokenizer": "abc"})
+    with pytest.raises(TraceError, match="missing"):
+        Traces.load(tmp_path / "nothing")
+    meta = json.loads(path.with_suffix(".json").read_text())
+    meta["format"] = 99
+    bad.with_suffix(".safetensors").write_bytes(st.read_bytes())
+    bad.with_suffix(".json").write_text(json.dumps(meta))
+    with pytest.raises(TraceError, match="format 99"):
+        Traces.load(bad)
+
+
+def replay_cfg(path, target, drafter="ngram", **kw):
+    cfg = dict(backend="replay", model=target, drafter=drafter, traces=str(path), cost_model="analytic",
+               prompt_split="all", k_choices=K, w_choices=W, horizon_s=5.0,
+               workload={"arrival": "closed", "concurrency": [1, 4], "max_new_tokens": 40})
+    cfg.update(kw)
+    return cfg
+
+
+def test_replay_env_check_env(tiny_traces, tiny_pair_dirs, isolated_cache):
+    from gymnasium.utils.env_checker import check_env
+
+    import specrl
+
+    _, prompts, tr = tiny_traces
+    env = specrl.make_env(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], prompts=_write(prompts, isolated_cache)))
+    check_env(env.unwrapped, skip_render_check=True)
+
+
+def _write(prompts, folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"turns": [p.text], "category": p.category}) for p in prompts))
+    return str(path)
+
+
+def test_replay_env_refuses_mismatched_traces(tiny_traces, tiny_pair_dirs, isolated_cache):
+    import specrl
+
+    _, prompts, tr = tiny_traces
+    pfile = _write(prompts, isolated_cache)
+    with pytest.raises(ConfigError, match="drafter='model', but 'ngram' is needed.*specrl collect"):
+        specrl.make_env(replay_cfg(tr["model_path"], tiny_pair_dirs[0], prompts=pfile))
+    with pytest.raises(ConfigError, match="max_new_tokens=64.*stop at 40"):
+        specrl.make_env(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], prompts=pfile,
+                                   workload={"arrival": "closed", "max_new_tokens": 64}))
+    with pytest.raises(ConfigError, match="have no trace"):
+        specrl.make_env(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], prompts="builtin"))
+
+
+def test_replay_and_live_env_agree_with_the_same_cost_model(tiny_traces, tiny_pair_dirs, isolated_cache):
+    """With the analytic cost model as the clock, the live env and the replay env give the same
+    rewards and observations step by step for the same seed and actions."""
+    import specrl
+
+    pair, prompts, tr = tiny_traces
+    pfile = _write(prompts, isolated_cache)
+    common = dict(prompts=pfile, time_source="profiled",
+                  workload={"arrival": "poisson", "rate": 3.0, "max_new_tokens": 40})
+    live = specrl.make_env(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], backend="live", **common), pair=pair)
+    rep = specrl.make_env(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], **common))
+    o1, _ = live.reset(seed=11)
+    o2, _ = rep.reset(seed=11)
+    np.testing.assert_allclose(o1, o2)
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        a = rng.integers(0, [len(K), len(W)])
+        o1, r1, t1, u1, i1 = live.step(a)
+        o2, r2, t2, u2, i2 = rep.step(a)
+        np.testing.assert_allclose(o1, o2, rtol=1e-5)
+        assert r1 == pytest.approx(r2) and (t1, u1) == (t2, u2)
+        if t1 or u1:
+            break
