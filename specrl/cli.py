@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("specrl.generate", "decode prompts with speculative decoding"),
     "profile": ("specrl.profiling", "measure the step cost model on this machine"),
     "collect": ("specrl.collect", "record decode traces for the replay env"),
+    "evaluate": ("specrl.evaluate", "compare policies over a load sweep (replay or live)"),
 }
 
 

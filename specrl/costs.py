@@ -24,31 +24,34 @@ import numpy as np
 from specrl.errors import TraceError
 
 COST_FORMAT = 1
+MAX_LEVELS = 16  # tree depths the step-time functions take (levels arrays are (N, MAX_LEVELS))
+DENSE_BATCH = 64  # cost lookups are precomputed for every integer batch size up to this
+DENSE_TOKENS = 65  # ... and every integer tokens-per-row up to this (1 + 64 tree nodes)
 
 
-def _interp_axis(grid: np.ndarray, x: float) -> tuple[int, int, float]:
-    """Indices and weight for linear interpolation along one sorted axis (clamped)."""
-    if x <= grid[0]:
-        return 0, 0, 0.0
-    if x >= grid[-1]:
-        j = len(grid) - 1
-        return j, j, 0.0
-    j = int(np.searchsorted(grid, x, side="right"))
-    lo, hi = grid[j - 1], grid[j]
-    return j - 1, j, float((x - lo) / (hi - lo))
+def _axis_weights(grid: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lo index, hi index, weight of hi) for linear interpolation along a sorted axis, clamped."""
+    x = np.clip(x, grid[0], grid[-1])
+    hi = np.clip(np.searchsorted(grid, x, side="right"), 1, len(grid) - 1) if len(grid) > 1 else np.zeros_like(x, int)
+    lo = np.maximum(hi - 1, 0)
+    span = grid[hi] - grid[lo]
+    w = np.where(span > 0, (x - grid[lo]) / np.where(span > 0, span, 1.0), 0.0)
+    return lo, hi, w
 
 
-def interp3(values: np.ndarray, axes: tuple[np.ndarray, np.ndarray, np.ndarray], x: tuple[float, float, float]) -> float:
-    """Trilinear interpolation of ``values`` (shape of the three axes) at point ``x``."""
-    (a0, a1, wa), (b0, b1, wb), (c0, c1, wc) = (_interp_axis(g, v) for g, v in zip(axes, x))
-    out = 0.0
+def interp3(values: np.ndarray, axes: tuple[np.ndarray, np.ndarray, np.ndarray], a: np.ndarray, b: np.ndarray,
+            c: np.ndarray) -> np.ndarray:
+    """Trilinear interpolation of ``values`` (|a| x |b| x |c| grid) at points (a, b, c), vectorised.
+
+    Scalars and N-vectors go through the same arithmetic, so the scalar replay env and the
+    vectorised one charge bit-identical times."""
+    (a0, a1, wa), (b0, b1, wb), (c0, c1, wc) = (_axis_weights(g, np.asarray(v, float)) for g, v in zip(axes, (a, b, c)))
+    out = np.zeros(np.broadcast(a0, b0, c0).shape)
     for ia, fa in ((a0, 1 - wa), (a1, wa)):
         for ib, fb in ((b0, 1 - wb), (b1, wb)):
             for ic, fc in ((c0, 1 - wc), (c1, wc)):
-                f = fa * fb * fc
-                if f:
-                    out += f * values[ia, ib, ic]
-    return float(out)
+                out = out + fa * fb * fc * values[ia, ib, ic]
+    return out
 
 
 @dataclass
@@ -78,47 +81,77 @@ class CostModel:
                     f"Cost model grid {name!r} has shape {arr.shape}, expected {expect} from its axes. "
                     "Fix: re-run `specrl profile`."
                 )
+        # Batch sizes and token counts are integers: interpolate (log2 batch, log2 tokens) once per
+        # integer pair, so a lookup is an index plus a linear step along the context axis.
+        b = np.arange(DENSE_BATCH + 1, dtype=float)[:, None, None]
+        n = np.arange(DENSE_TOKENS + 1, dtype=float)[None, :, None]
+        c = self._axes[2][None, None, :]
+        self._dense_verify = interp3(self._verify, self._axes, np.log2(np.maximum(b, 1)), np.log2(np.maximum(n, 1)), c)
+        self._dense_draft = None if self._draft is None else interp3(
+            self._draft, self._axes, np.log2(np.maximum(b, 1)), np.log2(np.maximum(n, 1)), c)
 
-    def verify_time(self, batch: int, tokens: int, context: float) -> float:
-        return interp3(self._verify, self._axes, (np.log2(max(batch, 1)), np.log2(max(tokens, 1)), context))
+    @staticmethod
+    def _lookup(dense: np.ndarray, axes: tuple, batch: Any, tokens: Any, context: Any) -> Any:
+        bi = np.clip(np.rint(batch).astype(np.int64), 0, DENSE_BATCH)
+        ni = np.clip(np.rint(tokens).astype(np.int64), 0, DENSE_TOKENS)
+        lo, hi, w = _axis_weights(axes[2], np.asarray(context, float))
+        out = dense[bi, ni, lo] * (1 - w) + dense[bi, ni, hi] * w
+        return float(out) if np.ndim(out) == 0 else out
 
-    def draft_forward_time(self, batch: int, tokens: int, context: float) -> float:
-        if self._draft is None:
-            raise TraceError("This cost model has no draft-model grid. Fix: profile with a draft (`specrl profile --draft`).")
-        return interp3(self._draft, self._axes, (np.log2(max(batch, 1)), np.log2(max(tokens, 1)), context))
+    def verify_time(self, batch: Any, tokens: Any, context: Any) -> Any:
+        """Target forward with ``batch`` rows of ``tokens`` tokens at ``context``; scalars or arrays
+        (batch <= 64 and tokens <= 65 are exact grid interpolations; larger values are clamped)."""
+        return self._lookup(self._dense_verify, self._axes, batch, tokens, context)
 
-    def draft_time(self, drafter: str, batch: int, level_sizes: list[int], context: float) -> float:
-        """A draft round: n-gram lookups, or draft forwards: one feeding the pending tokens (~1-2
-        per row, the root among them) and one per inner tree level (``level_sizes[d-1]`` = nodes
-        at depth d; the deepest level is never fed)."""
-        if not level_sizes:
-            return 0.0
+    def draft_forward_time(self, batch: Any, tokens: Any, context: Any) -> Any:
+        if self._dense_draft is None:
+            raise TraceError("This cost model has no draft-model grid. Fix: profile with a draft "
+                             "(`specrl profile --drafter model --draft ...`).")
+        return self._lookup(self._dense_draft, self._axes, batch, tokens, context)
+
+    def step_time_batch(
+        self, drafter: str, drafted: np.ndarray, batch: np.ndarray, tree_tokens: np.ndarray, levels: np.ndarray,
+        context: np.ndarray, prefill_rows: np.ndarray, prefill_len: np.ndarray,
+    ) -> np.ndarray:
+        """(N,) step seconds. ``drafted``: (N,) bool, k > 0; ``levels``: (N, D) verify-tree nodes per
+        depth 1..D (zeros beyond its depth).
+
+        Step = prefill + draft round + verify + overhead. Draft round: n-gram lookups (per row, even
+        when they find nothing), or one draft forward feeding the pending tokens (~2 per row) plus
+        one per inner tree level (the deepest level is never fed to the draft)."""
+        batch = np.asarray(batch, float)
+        has_tree = np.asarray(tree_tokens) > 1
         if drafter == "ngram":
-            return self.ngram_per_row * batch
-        first = self.draft_forward_time(batch, 2, context)
-        return first + sum(self.draft_forward_time(batch, m, context) for m in level_sizes[:-1])
-
-    def overhead_time(self, batch: int) -> float:
-        a, b = self.overhead
-        return a + b * batch
-
-    def prefill_time(self, rows: int, max_len: int) -> float:
-        if rows == 0:
-            return 0.0
+            draft = np.where(np.asarray(drafted, bool), self.ngram_per_row * batch, 0.0)
+        else:
+            levels = np.asarray(levels, float)
+            depth = (levels > 0).sum(axis=1)  # (N,)
+            draft = np.where(has_tree, self.draft_forward_time(batch, 2, context), 0.0)
+            for d in range(levels.shape[1]):
+                inner = has_tree & (d + 1 < depth)
+                if inner.any():
+                    draft = draft + np.where(inner, self.draft_forward_time(batch, np.maximum(levels[:, d], 1), context),
+                                             0.0)
         a, b, c = self.prefill
-        return a + b * rows + c * rows * max_len
+        rows = np.asarray(prefill_rows, float)
+        prefill = np.where(rows > 0, a + b * rows + c * rows * np.asarray(prefill_len, float), 0.0)
+        over = self.overhead[0] + self.overhead[1] * batch
+        return prefill + draft + self.verify_time(batch, tree_tokens, context) + over
 
     def step_time(
-        self, drafter: str, batch: int, tree_tokens: int, level_sizes: list[int], context: float,
-        prefill_rows: int = 0, prefill_len: int = 0,
+        self, drafter: str, k: int, batch: int, tree_tokens: int, level_sizes: list[int] | tuple[int, ...],
+        context: float, prefill_rows: int = 0, prefill_len: int = 0,
     ) -> float:
-        return (self.prefill_time(prefill_rows, prefill_len) + self.draft_time(drafter, batch, level_sizes, context)
-                + self.verify_time(batch, tree_tokens, context) + self.overhead_time(batch))
+        """One step (see ``step_time_batch``; this is its N = 1 case)."""
+        levels = np.zeros((1, MAX_LEVELS))
+        levels[0, : len(level_sizes)] = level_sizes
+        return float(self.step_time_batch(drafter, np.array([k > 0]), np.array([batch]), np.array([tree_tokens]),
+                                          levels, np.array([context]), np.array([prefill_rows]),
+                                          np.array([prefill_len]))[0])
 
     # ----- persistence ---------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        return d
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

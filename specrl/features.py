@@ -52,58 +52,99 @@ def schema() -> dict[str, Any]:
     return {"version": SCHEMA_VERSION, "fields": list(FIELDS)}
 
 
-def _nanmean(x: np.ndarray | None) -> float | None:
-    if x is None:
-        return None
-    arr = np.asarray(x, dtype=np.float32)
-    ok = ~np.isnan(arr)
-    return float(arr[ok].mean()) if ok.any() else None
+def arrival_ema(rate: np.ndarray, count: np.ndarray, window: np.ndarray, ema: float) -> np.ndarray:
+    """(N,) time-aware EMA of the arrival rate: a window of w seconds weighs like w updates."""
+    w = np.maximum(window, 1e-12)
+    alpha = 1.0 - (1.0 - ema) ** np.minimum(w, 50.0)
+    return np.where(window > 0, (1 - alpha) * rate + alpha * (count / w), rate)
+
+
+def update_load_batch(vec: np.ndarray, batch: np.ndarray, queue: np.ndarray, ctx_mean: np.ndarray,
+                      ctx_max: np.ndarray) -> None:
+    """In place on (N, F) observations."""
+    vec[:, INDEX["batch_size"]] = batch
+    vec[:, INDEX["queue_len"]] = queue
+    vec[:, INDEX["mean_context"]] = ctx_mean
+    vec[:, INDEX["max_context"]] = ctx_max
+
+
+def update_step_batch(
+    vec: np.ndarray,  # (N, F) observations, updated in place
+    valid: np.ndarray,  # (N, S) bool: rows that took part in the step
+    accept_len: np.ndarray,  # (N, S)
+    draft_depth: np.ndarray,  # (N, S)
+    k: np.ndarray,  # (N,)
+    w: np.ndarray,  # (N,)
+    stats: np.ndarray,  # (N, S, 4) [top1, entropy, match_len, num_matches]; NaN = not measured
+    ema: float,
+) -> None:
+    """The acceptance / draft part of the schema for N envs at once (also used for N = 1)."""
+    n_env = valid.shape[0]
+    acc_i = np.where(valid, accept_len, 0).astype(np.int64)
+    dep = np.where(valid, draft_depth, 0).astype(np.int64)
+    n_rows = valid.sum(axis=1)  # (N,)
+    has = n_rows > 0
+    # A row reaches and drafts depth d for d = 1..min(depth, accept + 1), and is accepted there
+    # for d = 1..min(depth, accept): histogram those bounds, then count rows with bound >= d.
+    top = ACCEPT_DEPTHS + 1
+    offs = np.arange(n_env)[:, None] * top
+    reach = np.minimum(np.minimum(dep, acc_i + 1), ACCEPT_DEPTHS)
+    hit = np.minimum(np.minimum(dep, acc_i), ACCEPT_DEPTHS)
+    n_el = np.bincount((offs + reach)[valid], minlength=n_env * top).reshape(n_env, top)
+    hits = np.bincount((offs + hit)[valid], minlength=n_env * top).reshape(n_env, top)
+    n_el = n_el[:, ::-1].cumsum(axis=1)[:, ::-1][:, 1:]  # (N, D): rows with bound >= d
+    hits = hits[:, ::-1].cumsum(axis=1)[:, ::-1][:, 1:]
+    rate = hits / np.maximum(n_el, 1)
+    acc = acc_i.astype(np.float64)
+    base = INDEX["accept_d1"]
+    cur = vec[:, base : base + ACCEPT_DEPTHS].astype(np.float64)
+    vec[:, base : base + ACCEPT_DEPTHS] = np.where(n_el > 0, (1 - ema) * cur + ema * rate, cur)
+    mean_acc = acc.sum(axis=1) / np.maximum(n_rows, 1)
+    vec[:, INDEX["last_accept_len"]] = np.where(has, mean_acc, vec[:, INDEX["last_accept_len"]])
+    st = stats.astype(np.float64).copy()
+    st[..., 3] = np.log1p(st[..., 3])
+    ok = valid[:, :, None] & ~np.isnan(st)  # (N, S, 4)
+    cnt = ok.sum(axis=1)  # (N, 4)
+    mean = np.where(ok, st, 0.0).sum(axis=1) / np.maximum(cnt, 1)
+    cols = [INDEX["draft_top1"], INDEX["draft_entropy"], INDEX["match_len"], INDEX["num_matches"]]
+    vec[:, cols] = np.where(cnt > 0, mean, vec[:, cols])
+    vec[:, INDEX["prev_k"]] = k
+    vec[:, INDEX["prev_w"]] = w
 
 
 @dataclass
 class FeatureTracker:
-    """Turns raw serving statistics into schema-v1 observations.
+    """Turns raw serving statistics into schema-v1 observations (one env / serving engine).
 
     Feed it with ``update_load`` (before each decision) and ``update_step`` (after each step,
-    or ``observe(step_result)`` with a specrl StepResult). Cheap: a few numpy ops per step.
+    or ``observe(step_result)`` with a specrl StepResult). Cheap: a few numpy ops per step. The
+    math lives in the ``*_batch`` functions above, which the vectorised replay env calls for
+    N envs at once, so both compute bit-identical features.
     """
 
     ema: float = 0.2  # weight of the newest observation in the acceptance / rate EMAs
     prior_accept: float = 0.5
     _vec: np.ndarray = field(init=False, repr=False)
-    _rate: float = field(init=False, default=0.0)
-    _last_arrival_t: float | None = field(init=False, default=None)
+    _rate: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self._vec = np.zeros(NUM_FEATURES, dtype=np.float32)
-        self._vec[INDEX["accept_d1"] : INDEX["accept_d1"] + ACCEPT_DEPTHS] = self.prior_accept
-        self._vec[INDEX["prev_w"]] = 1.0
-        self._rate = 0.0
-        self._last_arrival_t = None
+        self._vec = initial_features(1, self.prior_accept)
+        self._rate = np.zeros(1)
 
-    # ----- load ------------------------------------------------------------------------------
     def record_arrivals(self, count: int, now: float, window: float) -> None:
         """``count`` requests arrived during the last ``window`` seconds ending at ``now``."""
-        if window <= 0:
-            return
-        inst = count / window
-        # time-aware EMA: a long window weighs more, like averaging per second
-        alpha = 1.0 - (1.0 - self.ema) ** min(window, 50.0)
-        self._rate = (1 - alpha) * self._rate + alpha * inst
-        self._vec[INDEX["arrival_rate"]] = self._rate
+        self._rate = arrival_ema(self._rate, np.array([count], float), np.array([window], float), self.ema)
+        self._vec[0, INDEX["arrival_rate"]] = self._rate[0]
 
     def update_load(self, batch_size: int, queue_len: int, context_lens: np.ndarray | list[int]) -> None:
         ctx = np.asarray(context_lens, dtype=np.float32)
-        v = self._vec
-        v[INDEX["batch_size"]] = batch_size
-        v[INDEX["queue_len"]] = queue_len
-        v[INDEX["mean_context"]] = float(ctx.mean()) if ctx.size else 0.0
-        v[INDEX["max_context"]] = float(ctx.max()) if ctx.size else 0.0
+        mean = float(ctx.astype(np.float64).sum() / ctx.size) if ctx.size else 0.0
+        update_load_batch(self._vec, np.array([batch_size]), np.array([queue_len]), np.array([mean]),
+                          np.array([float(ctx.max()) if ctx.size else 0.0]))
 
-    # ----- steps -------------------------------------------------------------------------------
     def update_step(
         self,
         accept_len: np.ndarray,  # (B,) accepted draft tokens per row
@@ -115,28 +156,13 @@ class FeatureTracker:
         match_len: np.ndarray | None = None,  # (B,)
         num_matches: np.ndarray | None = None,  # (B,)
     ) -> None:
-        v = self._vec
-        acc = np.asarray(accept_len, dtype=np.float32)
-        dep = np.asarray(draft_depth)
-        if acc.size:
-            base = INDEX["accept_d1"]
-            for d in range(1, min(ACCEPT_DEPTHS, int(dep.max(initial=0))) + 1):
-                eligible = (dep >= d) & (acc >= d - 1)  # drafted depth d and reached it
-                if eligible.any():
-                    rate = float((acc[eligible] >= d).mean())
-                    v[base + d - 1] = (1 - self.ema) * v[base + d - 1] + self.ema * rate
-            v[INDEX["last_accept_len"]] = float(acc.mean())
-            # NaN means "not measured this step" (e.g. k = 0 with a model drafter): keep the old value
-            for name, x in (("draft_top1", draft_top1), ("draft_entropy", draft_entropy),
-                            ("match_len", match_len)):
-                m = _nanmean(x)
-                if m is not None:
-                    v[INDEX[name]] = m
-            m = _nanmean(None if num_matches is None else np.log1p(np.asarray(num_matches, dtype=np.float32)))
-            if m is not None:
-                v[INDEX["num_matches"]] = m
-        v[INDEX["prev_k"]] = k
-        v[INDEX["prev_w"]] = w
+        acc = np.asarray(accept_len)
+        b = acc.size
+        nan = np.full(b, np.nan)
+        stats = np.stack([np.asarray(x, np.float64) if x is not None else nan
+                          for x in (draft_top1, draft_entropy, match_len, num_matches)], axis=-1)  # (B, 4)
+        update_step_batch(self._vec, np.ones((1, b), bool), acc[None], np.asarray(draft_depth)[None],
+                          np.array([k]), np.array([w]), stats[None], self.ema)
 
     def observe(self, result: Any) -> None:
         """Update from a StepResult-like object (duck-typed: no torch import needed)."""
@@ -149,4 +175,12 @@ class FeatureTracker:
 
     def vector(self) -> np.ndarray:
         """The current observation (a copy), float32 of length NUM_FEATURES."""
-        return self._vec.copy()
+        return self._vec[0].copy()
+
+
+def initial_features(n: int, prior_accept: float = 0.5) -> np.ndarray:
+    """(n, F) observations before any step: acceptance at its prior, previous action (0, 1)."""
+    vec = np.zeros((n, NUM_FEATURES), dtype=np.float32)
+    vec[:, INDEX["accept_d1"] : INDEX["accept_d1"] + ACCEPT_DEPTHS] = prior_accept
+    vec[:, INDEX["prev_w"]] = 1.0
+    return vec

@@ -71,6 +71,13 @@ class ReplayTables:
     num_matches: np.ndarray  # (R,)
     bit_depth: np.ndarray  # (A, 64) int8: depth of node bit j in action a's shape (0 = unused bit)
 
+    def __post_init__(self) -> None:
+        # packed copies for the vectorised env: one flat take per quantity
+        self.stats = np.stack([self.top1, self.entropy, self.match_len, self.num_matches], axis=-1)  # (R, 4)
+        self.accept_flat = self.accept.astype(np.int64).ravel()  # (R * A,)
+        self.depth_flat = self.depth.astype(np.int64).ravel()
+        self.mask_flat = self.mask.ravel()
+
     @staticmethod
     def build(traces: Traces, actions: list[tuple[int, int]], drafter: str, max_ngram: int = 3,
               min_ngram: int = 1, progress: bool = True) -> ReplayTables:
@@ -168,8 +175,7 @@ class ReplayTables:
 
 def popcount64(x: np.ndarray) -> np.ndarray:
     """Bits set per uint64 element."""
-    x = x.astype(np.uint64)
-    return np.unpackbits(x.view(np.uint8).reshape(*x.shape, 8), axis=-1).sum(-1)
+    return np.bitwise_count(np.asarray(x, np.uint64)).astype(np.int64)
 
 
 class ReplayBackend:
@@ -201,6 +207,21 @@ class ReplayBackend:
         return np.array([self.t.prompt_len[i] + g for i, g in zip(self.trace, self.pos)], dtype=np.float32)
 
     def step(self, action: Action) -> StepResult:
+        result, new_pos, done = self._outcome(action)
+        result.finished = [r for r, d in zip(self.rids, done) if d]
+        keep = ~done
+        self.rids = [r for r, k in zip(self.rids, keep) if k]
+        self.trace = [t for t, k in zip(self.trace, keep) if k]
+        self.pos = [int(p) for p, k in zip(new_pos, keep) if k]
+        self.max_new = [m for m, k in zip(self.max_new, keep) if k]
+        self.new = [False] * len(self.rids)
+        return result
+
+    def peek(self, action: Action) -> StepResult:
+        """What ``step(action)`` would return, without changing any state (for the oracle)."""
+        return self._outcome(action)[0]
+
+    def _outcome(self, action: Action) -> tuple[StepResult, np.ndarray, np.ndarray]:
         kw = (action.k, 1 if action.k == 0 else action.w)
         if kw not in self.index:
             raise ConfigError(f"Action {kw} is not in the replay action table. Fix: use the env's k_choices/w_choices.")
@@ -240,10 +261,4 @@ class ReplayBackend:
         new_pos = pos + committed
         done = new_pos >= np.minimum(tb.cont_len[trace], np.asarray(self.max_new))
         result.finished = [r for r, d in zip(self.rids, done) if d]
-        keep = ~done
-        self.rids = [r for r, k in zip(self.rids, keep) if k]
-        self.trace = [t for t, k in zip(self.trace, keep) if k]
-        self.pos = [int(p) for p, k in zip(new_pos, keep) if k]
-        self.max_new = [m for m, k in zip(self.max_new, keep) if k]
-        self.new = [False] * len(self.rids)
-        return result
+        return result, new_pos, done

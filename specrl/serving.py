@@ -94,6 +94,8 @@ class ServingLoop:
         self.running: set[int] = set()
         self.t = 0.0
         self._next_rid = 0
+        self.cat_acc: dict[str, float] = {}  # accepted draft tokens per prompt category
+        self.cat_steps: dict[str, float] = {}  # row-steps per prompt category
 
     # ----- lifecycle ------------------------------------------------------------------------
     def reset(self, seed: int | None, level: dict[str, float] | None = None) -> None:
@@ -101,8 +103,10 @@ class ServingLoop:
         self.tracker.reset()
         self.records, self.queue, self.running = {}, deque(), set()
         self.t, self._next_rid = 0.0, 0
+        self.cat_acc, self.cat_steps = {}, {}
         self._enqueue(self.workload.reset(seed, self.horizon_s, level))
-        self._idle_jump()
+        # an episode starts at its first arrival, even one past the horizon (then it is one step long)
+        self._idle_jump(ignore_horizon=True)
         self._admit()
 
     def _enqueue(self, arrivals: list[Arrival]) -> None:
@@ -121,12 +125,12 @@ class ServingLoop:
             self.backend.add(rid, rec.prompt, rec.max_new_tokens)
             self.running.add(rid)
 
-    def _idle_jump(self) -> float:
+    def _idle_jump(self, ignore_horizon: bool = False) -> float:
         """If nothing is running or waiting, move the clock to the next arrival."""
         if self.running or self.queue:
             return 0.0
         nxt = self.workload.next_arrival_time()
-        if nxt is None or nxt > self.horizon_s:
+        if nxt is None or (nxt > self.horizon_s and not ignore_horizon):
             return 0.0
         idle = max(0.0, nxt - self.t)
         self.t = nxt
@@ -136,11 +140,17 @@ class ServingLoop:
         return idle
 
     @property
-    def done(self) -> bool:
-        """The horizon has passed, or nothing runs and nothing more will arrive."""
-        if self.t >= self.horizon_s:
-            return True
+    def exhausted(self) -> bool:
+        """Nothing runs, nothing waits and nothing will ever arrive (e.g. a finite trace)."""
         return not (self.running or self.queue) and self.workload.next_arrival_time() is None
+
+    @property
+    def done(self) -> bool:
+        """The horizon has passed, or nothing runs or waits before it."""
+        if self.t >= self.horizon_s or self.exhausted:
+            return True
+        nxt = self.workload.next_arrival_time()
+        return not (self.running or self.queue) and (nxt is None or nxt > self.horizon_s)
 
     def observation(self) -> np.ndarray:
         self.tracker.update_load(len(self.running), len(self.queue), self.backend.context_lens())
@@ -154,9 +164,13 @@ class ServingLoop:
         self.t += dt
         cfg = self.workload.cfg
         tokens = slo_tokens = new_viol = 0
-        for rid, n in zip(res.rids, res.num_committed):
+        cats = self.workload.pool.categories
+        for rid, n, a in zip(res.rids, res.num_committed, res.accept_len):
             rec = self.records[rid]
             n = int(n)
+            cat = cats[rec.prompt]
+            self.cat_acc[cat] = self.cat_acc.get(cat, 0.0) + float(a)
+            self.cat_steps[cat] = self.cat_steps.get(cat, 0.0) + 1.0
             tokens += n
             if rec.first_token is None and n > 0:
                 rec.first_token = self.t
@@ -212,4 +226,6 @@ class ServingLoop:
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
             "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
             "slo_attainment": (sum(not r.slo_violated for r in done) / len(done)) if done else float("nan"),
+            "accept_len": sum(self.cat_acc.values()) / max(1.0, sum(self.cat_steps.values())),
+            "accept_by_category": {c: self.cat_acc[c] / self.cat_steps[c] for c in sorted(self.cat_steps)},
         }

@@ -162,6 +162,8 @@ def collect_traces(
         if k in done_before:
             conts[i] = np.asarray(done_before[k][0], dtype=np.int64)
             eos[i] = done_before[k][1]
+    if partial is not None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
     sink = partial.open("a") if partial is not None else None
     with tqdm(total=len(ids), desc="target continuations", disable=not progress, unit="prompt",
               initial=sum(c is not None for c in conts)) as bar:

@@ -157,6 +157,8 @@ def _read_trace(path: str) -> list[tuple[float, str | None, int | None]]:
                             int(parts[2]) if len(parts) > 2 and parts[2] else None))
         except (ValueError, KeyError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path}:{ln}: cannot parse arrival {line!r} ({e}). Fix: 't[,category[,max_new_tokens]]'.") from e
+    if not out:
+        raise ConfigError(f"Trace file {path!r} holds no arrivals. Fix: one 't[,category[,max_new_tokens]]' per line.")
     return sorted(out, key=lambda x: x[0])
 
 
@@ -189,8 +191,21 @@ class Workload:
             c = int(lvl.get("concurrency", self.rng.choice(_as_list(cfg.concurrency))))
             self.level = {"arrival": "closed", "concurrency": c}
             return [self._arrival(0.0) for _ in range(c)]
-        t, arrivals = 0.0, []
+        arrivals: list[Arrival] = []
         end = horizon_s * 1.05 + 1.0
+        for _ in range(1000):  # an episode needs at least one request: extend a silent schedule
+            arrivals = self._open_loop(lvl, end)
+            if arrivals:
+                break
+            end *= 2.0
+        first = [a for a in arrivals if a.t <= 0.0]
+        self._pending = [a for a in arrivals if a.t > 0.0]
+        return first
+
+    def _open_loop(self, lvl: dict[str, float], end: float) -> list[Arrival]:
+        """Arrivals in (0, end] for the open-loop processes (seeded by ``self.rng``)."""
+        cfg = self.cfg
+        t, arrivals = 0.0, []
         if cfg.arrival == "poisson":
             rate = float(lvl.get("rate", self.rng.choice(_as_list(cfg.rate))))
             self.level = {"arrival": "poisson", "rate": rate}
@@ -226,11 +241,9 @@ class Workload:
                     arrivals.append(self._arrival(t, ph.categories))
                 t, i = stop, i + 1
         else:  # trace
-            self.level = {"arrival": "trace", "rate": len(self._trace or []) / max(horizon_s, 1e-9)}
+            self.level = {"arrival": "trace", "rate": len(self._trace or []) / max(end, 1e-9)}
             arrivals = [self._arrival(tt, [c] if c else None, m) for tt, c, m in (self._trace or [])]
-        first = [a for a in arrivals if a.t <= 0.0]
-        self._pending = [a for a in arrivals if a.t > 0.0]
-        return first
+        return arrivals
 
     def arrivals_until(self, t: float) -> list[Arrival]:
         """Arrivals with time in (previous call, t]."""
@@ -242,6 +255,15 @@ class Workload:
 
     def next_arrival_time(self) -> float | None:
         return self._pending[self._cursor].t if self._cursor < len(self._pending) else None
+
+    def schedule(self) -> list[Arrival]:
+        """Open loop: every arrival after t = 0 of this episode, in order (for vectorised envs)."""
+        return list(self._pending)
+
+    def closed_stream(self, n: int) -> list[Arrival]:
+        """Closed loop: the next ``n`` replacement arrivals, drawn exactly as ``on_finish`` would
+        draw them one at a time (same RNG order), with t = 0 as a placeholder."""
+        return [self._arrival(0.0) for _ in range(n)]
 
     def on_finish(self, t: float) -> list[Arrival]:
         """Closed loop: a finished request is replaced at once."""

@@ -114,7 +114,9 @@ def test_phase_workload_switches_categories():
 def test_every_preset_loads_and_steps(preset, tiny_model_dir):
     # the presets name the default model; a tiny one keeps this test fast (the slow test below
     # runs the real default)
-    env = specrl.make_env(str(preset), model=tiny_model_dir, horizon_s=1.5)
+    # replay presets need recorded traces: here they run on the live backend (tests/test_replay.py
+    # covers the replay backend)
+    env = specrl.make_env(str(preset), model=tiny_model_dir, horizon_s=1.5, backend="live")
     env.reset(seed=0)
     for _ in range(3):
         _, _, term, trunc, info = env.step(env.action_space.sample())

@@ -90,8 +90,8 @@ class SpecEnvBase(gym.Env):
             "level": dict(self.loop.workload.level),
         }
         done = self.loop.done
-        truncated = done and self.loop.t >= self.cfg.horizon_s  # the time limit
-        terminated = done and not truncated  # the workload ran out (e.g. a finite trace)
+        terminated = self.loop.exhausted  # the workload ran out (e.g. a finite trace)
+        truncated = done and not terminated  # the time limit
         if done:
             info["episode_summary"] = self.loop.summary()
         return obs, reward, terminated, truncated, info

@@ -42,7 +42,8 @@ def time_function(cfg: EnvConfig, cost_model: Any) -> Any:
 
     def profiled(res: Any) -> float:
         ctx = float(np.mean(res.context_len)) if len(res.context_len) else 0.0
-        return cost_model.step_time(cfg.drafter, len(res.rids), res.tree_tokens, list(res.level_sizes), ctx,
+        k = max((a.k for a in res.actions), default=0)
+        return cost_model.step_time(cfg.drafter, k, len(res.rids), res.tree_tokens, res.level_sizes, ctx,
                                     res.prefill_rows, res.prefill_len)
 
     return profiled

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from specrl.envs.base import SpecEnvBase
 from specrl.envs.config import EnvConfig, load_cost_model
 from specrl.errors import ConfigError, TraceError
@@ -111,3 +113,17 @@ class SpecReplayEnv(SpecEnvBase):
         self.cost_model: CostModel = cost
         profiled = EnvConfig(**{**cfg.__dict__, "time_source": "profiled"})
         return ServingLoop(backend, Workload(cfg.workload, pool), time_function(profiled, cost), cfg.horizon_s)
+
+    def action_outcomes(self) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
+        """For every action of the table: tokens the next step would commit and its seconds."""
+        from specrl.step import Action
+
+        backend = self.loop.backend
+        actions = sorted({self.decode_action((i, j)) for i in range(len(self.k_choices))
+                          for j in range(len(self.w_choices))})
+        tokens, secs = np.zeros(len(actions)), np.zeros(len(actions))
+        for a, (k, w) in enumerate(actions):
+            res = backend.peek(Action(k, w))
+            tokens[a] = float(np.sum(res.num_committed))
+            secs[a] = self.loop.time_fn(res)
+        return actions, tokens, secs

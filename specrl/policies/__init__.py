@@ -1,0 +1,76 @@
+"""Policy registry: every baseline, the oracle and exported controllers by name.
+
+Names (usable from the CLI): ``ar``, ``static:K[,W]``, ``hf-heuristic``, ``hf-constant``,
+``hf-confidence``, ``goodput``, ``sglang-ema``, ``ucb``, ``oracle``, ``controller:DIR``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from specrl.errors import ConfigError, unknown_name
+from specrl.policies.base import ActionTable, BasePolicy, Policy, PolicyContext
+
+BASELINES = ("ar", "static:4,1", "hf-heuristic", "hf-constant", "hf-confidence", "goodput", "sglang-ema", "ucb")
+
+
+def _static(ctx: PolicyContext, arg: str) -> Any:
+    from specrl.policies.rules import Static
+
+    try:
+        parts = [int(x) for x in arg.split(",")] if arg else []
+    except ValueError as e:
+        raise ConfigError(f"static:{arg} is invalid. Allowed: static:K or static:K,W with integers, e.g. static:4,2.") from e
+    if len(parts) not in (1, 2):
+        raise ConfigError(f"static:{arg} is invalid. Allowed: static:K or static:K,W, e.g. static:4,2.")
+    from specrl.tree import check_action
+
+    check_action(parts[0], parts[1] if len(parts) == 2 else 1)
+    return Static(ctx, parts[0], parts[1] if len(parts) == 2 else 1)
+
+
+def _lazy(module: str, cls: str, **kw: Any) -> Callable[[PolicyContext, str], Any]:
+    def make(ctx: PolicyContext, arg: str) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(module), cls)(ctx, **kw)
+
+    return make
+
+
+def _controller(ctx: PolicyContext, arg: str) -> Any:
+    from specrl.runtime.policy import ControllerPolicy
+
+    if not arg:
+        raise ConfigError("controller: needs a directory, e.g. controller:runs/ppo/export.")
+    return ControllerPolicy(ctx, arg)
+
+
+REGISTRY: dict[str, Callable[[PolicyContext, str], Any]] = {
+    "ar": lambda ctx, arg: _static(ctx, "0"),
+    "static": _static,
+    "hf-heuristic": _lazy("specrl.policies.rules", "HFHeuristic"),
+    "hf-constant": lambda ctx, arg: _static(ctx, str(min(20, max(ctx.k_choices)))),
+    "hf-confidence": _lazy("specrl.policies.rules", "HFConfidence"),
+    "goodput": _lazy("specrl.policies.goodput", "GoodputArgmax"),
+    "sglang-ema": _lazy("specrl.policies.rules", "SGLangEMA"),
+    "ucb": _lazy("specrl.policies.rules", "UCB"),
+    "oracle": _lazy("specrl.policies.oracle", "Oracle"),
+    "controller": _controller,
+}
+
+
+def make_policy(spec: str, ctx: PolicyContext | None = None) -> Any:
+    """Build a policy from its name (``static:4,2``, ``goodput``, ``controller:DIR``, ...)."""
+    ctx = ctx or PolicyContext()
+    name, _, arg = spec.partition(":")
+    if name not in REGISTRY:
+        raise unknown_name("policy", spec, [*REGISTRY, "static:K,W", "controller:DIR"])
+    pol = REGISTRY[name](ctx, arg)
+    if name == "hf-constant":
+        pol.name = "hf-constant"
+    return pol
+
+
+__all__ = ["ActionTable", "BASELINES", "BasePolicy", "Policy", "PolicyContext", "REGISTRY", "make_policy"]

@@ -1,0 +1,126 @@
+"""Each baseline rule's logic on hand-written inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrl.costs import CostModel
+from specrl.errors import ConfigError
+from specrl.features import INDEX, initial_features
+from specrl.policies import PolicyContext, make_policy
+from specrl.policies.goodput import expected_accepted
+from specrl.policies.rules import roc_threshold
+
+CTX = PolicyContext([0, 1, 2, 3, 4, 6, 8], [1, 2, 3, 4], CostModel.analytic(), "ngram")
+
+
+def feats(**kw):
+    v = initial_features(1)[0]
+    for name, val in kw.items():
+        v[INDEX[name]] = val
+    return v
+
+
+def test_static_and_ar():
+    assert make_policy("ar", CTX).decide(feats()) == (0, 1)
+    assert make_policy("static:4,2", CTX).decide(feats()) == (4, 2)
+    assert make_policy("static:3", CTX).decide(feats()) == (3, 1)
+    assert make_policy("hf-constant", CTX).decide(feats()) == (8, 1)  # HF's 20, clipped to the table
+    for bad in ("static:x", "static:1,2,3", "static:99"):
+        with pytest.raises(ConfigError):
+            make_policy(bad, CTX)
+    with pytest.raises(ConfigError, match="Did you mean 'goodput'"):
+        make_policy("goodptu", CTX)
+
+
+def test_hf_heuristic_schedule():
+    p = make_policy("hf-heuristic", CTX)
+    assert p.decide(feats()) == (8, 1)
+    p.observe(feats(), {"k": 8, "accept_len_mean": 3.0})  # not all accepted: k - 1
+    assert p.k == 7
+    p.observe(feats(), {"k": 7, "accept_len_mean": 7.0})  # all accepted: k + 2
+    assert p.k == 9
+    assert p.decide(feats()) == (8, 1)  # snapped to the table
+    for _ in range(20):
+        p.observe(feats(), {"k": 1, "accept_len_mean": 0.0})
+    assert p.k == 1  # never below 1
+
+
+def test_hf_confidence_threshold_and_roc():
+    p = make_policy("hf-confidence", CTX)
+    assert p.decide(feats(draft_top1=0.2)) == (0, 1)  # below the 0.4 threshold: no drafting
+    # p^k >= 0.4: 0.9^8 = 0.43 -> k = 8; 0.7^2 = 0.49, 0.7^3 = 0.34 -> k = 2
+    assert p.decide(feats(draft_top1=0.9)) == (8, 1)
+    assert p.decide(feats(draft_top1=0.7)) == (2, 1)
+    # ROC refit: accepted drafts above 0.6, rejected below -> threshold moves into (0.3, 0.6]
+    pairs = [(0.9, True), (0.8, True), (0.6, True), (0.3, False), (0.2, False), (0.1, False)]
+    th = roc_threshold(pairs, 0.4)
+    assert 0.3 < th <= 0.6
+    assert roc_threshold([(0.5, True)] * 3, 0.4) == 0.4  # one class only: keep the current threshold
+
+
+def test_sglang_ema_warmup_tiers_and_hysteresis():
+    p = make_policy("sglang-ema", CTX)
+    assert p.decide(feats(batch_size=1)) == (4, 1)  # warm-up default
+    for _ in range(8):
+        p.observe(feats(), {"k": 4, "accept_len_mean": 3.6})
+        p.decide(feats(batch_size=1))
+    # EMA of 3.6 -> target k = round(4.6) = 5 -> snapped to the table (4 or 6)
+    assert p.decide(feats(batch_size=1))[0] in (4, 6)
+    assert p.decide(feats(batch_size=16))[0] <= 1  # large-batch tier caps k
+    q = make_policy("sglang-ema", CTX)
+    for _ in range(12):
+        q.observe(feats(), {"k": 4, "accept_len_mean": 0.1})
+        q.decide(feats(batch_size=2))
+    assert q.decide(feats(batch_size=2))[0] == 1  # low acceptance: speculate little
+
+
+def test_ucb_tries_every_arm_then_exploits():
+    p = make_policy("ucb", CTX)
+    arms = set()
+    for _ in range(len(p.arms)):
+        a = p.decide(feats())
+        arms.add(a)
+        good = a == (2, 1)
+        p.observe(feats(), {"tokens": 10 if good else 2, "dt": 0.1})
+    assert len(arms) == len(p.arms)
+    picks = []
+    for _ in range(200):
+        a = p.decide(feats())
+        picks.append(a)
+        p.observe(feats(), {"tokens": 10 if a == (2, 1) else 2, "dt": 0.1})
+    assert picks[100:].count((2, 1)) > 70  # mostly the best arm once explored
+
+
+def test_expected_accepted_matches_hand_computation():
+    alpha = np.full(8, 0.5)
+    assert expected_accepted(0, 1, alpha) == 0.0
+    assert expected_accepted(3, 1, alpha) == pytest.approx(0.5 + 0.25 + 0.125)
+    # a width-2 tree adds branches, so it can only accept more
+    assert expected_accepted(4, 2, alpha) > expected_accepted(4, 1, alpha)
+
+
+def test_goodput_picks_ar_at_low_acceptance_and_speculates_at_high():
+    p = make_policy("goodput", CTX)
+    low = feats(batch_size=1, mean_context=200, **{f"accept_d{d}": 0.0 for d in range(1, 9)})
+    high = feats(batch_size=1, mean_context=200, **{f"accept_d{d}": 0.9 for d in range(1, 9)})
+    assert p.decide(low)[0] == 0
+    assert p.decide(high)[0] >= 4
+    # at large batch the analytic verify cost grows with batch x tokens: speculate less
+    big = feats(batch_size=16, mean_context=200, **{f"accept_d{d}": 0.5 for d in range(1, 9)})
+    small = feats(batch_size=1, mean_context=200, **{f"accept_d{d}": 0.5 for d in range(1, 9)})
+    assert p.decide(big)[0] * p.decide(big)[1] <= p.decide(small)[0] * p.decide(small)[1]
+
+
+def test_goodput_needs_a_cost_model():
+    with pytest.raises(ConfigError, match="cost model"):
+        make_policy("goodput", PolicyContext())
+
+
+def test_oracle_picks_best_step_goodput_and_needs_outcomes():
+    p = make_policy("oracle", CTX)
+    with pytest.raises(ConfigError, match="replay"):
+        p.decide(feats())
+    p.set_outcomes([(0, 1), (2, 1), (4, 2)], np.array([4, 7, 9]), np.array([0.04, 0.05, 0.09]))
+    assert p.decide(feats()) == (2, 1)  # 140 tok/s beats 100 and 100
