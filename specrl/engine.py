@@ -332,6 +332,15 @@ class SpecEngine:
             step_time=t["step"],
         )
 
+    def probe(self) -> np.ndarray | None:
+        """(B, 4) [top1, entropy, match_len, num_matches] of running + waiting requests that the
+        drafter can tell without drafting (n-gram lookups), or None (model drafters)."""
+        fn = getattr(self.drafter, "probe", None)
+        seqs = [r.seq for r in self.rows + self.waiting]
+        if fn is None or not seqs:
+            return None
+        return fn(seqs).cpu().numpy()
+
     @torch.inference_mode()
     def reset(self) -> None:
         """Drop every running and waiting request (the drafter's state too)."""

@@ -267,8 +267,11 @@ def plot_results(episodes: list[Episode], agg: dict, labels: list[str], policies
 
 
 def evaluate(cfg: Any, policies: list[str], loads: list[Load], seeds: list[int], out: Path | None,
-             live: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Run, aggregate, write table / CSV / JSON / plots; return the JSON-able result."""
+             live: bool = False, progress: bool = True,
+             extra: dict[str, Callable[[], Any]] | None = None) -> dict[str, Any]:
+    """Run, aggregate, write table / CSV / JSON / plots; return the JSON-able result.
+
+    ``extra`` adds policies built by factories (e.g. a learned model) under their names."""
     from tqdm import tqdm
 
     from specrl.envs.config import load_cost_model
@@ -285,6 +288,12 @@ def evaluate(cfg: Any, policies: list[str], loads: list[Load], seeds: list[int],
 
         runner = run_live if live else run_replay
         episodes += runner(cfg, spec, loads, seeds, make)
+    for name, factory in (extra or {}).items():
+        runner = run_live if live else run_replay
+        eps = runner(cfg, name, loads, seeds, factory)
+        for e in eps:
+            e.policy = name
+        episodes += eps
     names = list(dict.fromkeys(e.policy for e in episodes))
     labels = [ld.label for ld in loads]
     agg = aggregate(episodes)

@@ -17,11 +17,12 @@ Acceptance (from the previous steps)
                    accepted | depth d-1 accepted and depth d drafted); prior 0.5, updated only
                    by rows that drafted that depth
   last_accept_len  mean accept length over the batch in the last step
-  draft_top1       mean draft probability of its first token in the last draft round
-                   (model drafters; n-gram: fraction of rows with a match)
-  draft_entropy    mean entropy (nats) of the first draft distribution (model drafters)
-  match_len        mean n-gram suffix match length (n-gram drafter; 0 otherwise)
-  num_matches      mean log(1 + earlier matches) (n-gram drafter)
+  draft_top1       what the drafter can tell before drafting: model drafters, the mean draft
+                   probability of the first token in the last draft round; n-gram, the fraction
+                   of running requests whose context has a match *now* (a cheap lookup)
+  draft_entropy    mean entropy (nats) of the first draft distribution (model drafters, last round)
+  match_len        mean n-gram suffix match length of the current contexts (n-gram drafter)
+  num_matches      mean log(1 + earlier matches) of the current contexts (n-gram drafter)
 Previous action
   prev_k, prev_w   the action of the previous step (0, 1 before the first step)
 
@@ -101,15 +102,23 @@ def update_step_batch(
     vec[:, base : base + ACCEPT_DEPTHS] = np.where(n_el > 0, (1 - ema) * cur + ema * rate, cur)
     mean_acc = acc.sum(axis=1) / np.maximum(n_rows, 1)
     vec[:, INDEX["last_accept_len"]] = np.where(has, mean_acc, vec[:, INDEX["last_accept_len"]])
+    update_draft_batch(vec, valid, stats)
+    vec[:, INDEX["prev_k"]] = k
+    vec[:, INDEX["prev_w"]] = w
+
+
+DRAFT_COLS = [INDEX["draft_top1"], INDEX["draft_entropy"], INDEX["match_len"], INDEX["num_matches"]]
+
+
+def update_draft_batch(vec: np.ndarray, valid: np.ndarray, stats: np.ndarray) -> None:
+    """Means over valid rows of (N, S, 4) draft statistics into the draft fields; NaN entries are
+    "not measured" and a column with nothing measured keeps its value."""
     st = stats.astype(np.float64).copy()
     st[..., 3] = np.log1p(st[..., 3])
     ok = valid[:, :, None] & ~np.isnan(st)  # (N, S, 4)
     cnt = ok.sum(axis=1)  # (N, 4)
     mean = np.where(ok, st, 0.0).sum(axis=1) / np.maximum(cnt, 1)
-    cols = [INDEX["draft_top1"], INDEX["draft_entropy"], INDEX["match_len"], INDEX["num_matches"]]
-    vec[:, cols] = np.where(cnt > 0, mean, vec[:, cols])
-    vec[:, INDEX["prev_k"]] = k
-    vec[:, INDEX["prev_w"]] = w
+    vec[:, DRAFT_COLS] = np.where(cnt > 0, mean, vec[:, DRAFT_COLS])
 
 
 @dataclass
@@ -163,6 +172,13 @@ class FeatureTracker:
                           for x in (draft_top1, draft_entropy, match_len, num_matches)], axis=-1)  # (B, 4)
         update_step_batch(self._vec, np.ones((1, b), bool), acc[None], np.asarray(draft_depth)[None],
                           np.array([k]), np.array([w]), stats[None], self.ema)
+
+    def update_probe(self, stats: np.ndarray | None) -> None:
+        """Draft statistics known before the next draft round: (B, 4) [top1, entropy, match_len,
+        num_matches] per running request (NaN = unknown, keeps the previous value)."""
+        if stats is None or len(stats) == 0:
+            return
+        update_draft_batch(self._vec, np.ones((1, len(stats)), bool), np.asarray(stats, np.float64)[None])
 
     def observe(self, result: Any) -> None:
         """Update from a StepResult-like object (duck-typed: no torch import needed)."""

@@ -206,6 +206,13 @@ class ReplayBackend:
     def context_lens(self) -> np.ndarray:
         return np.array([self.t.prompt_len[i] + g for i, g in zip(self.trace, self.pos)], dtype=np.float32)
 
+    def probe(self) -> np.ndarray | None:
+        """As the live n-gram drafter's lookup on the current contexts; None for model drafters."""
+        if self.drafter != "ngram":
+            return None
+        rows = self.t.offsets[np.asarray(self.trace, np.int64)] + np.asarray(self.pos, np.int64)
+        return self.t.stats[rows]
+
     def step(self, action: Action) -> StepResult:
         result, new_pos, done = self._outcome(action)
         result.finished = [r for r, d in zip(self.rids, done) if d]

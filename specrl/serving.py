@@ -36,6 +36,8 @@ class DecodeBackend(Protocol):
 
     def context_lens(self) -> np.ndarray: ...
 
+    def probe(self) -> np.ndarray | None: ...  # (B, 4) draft stats known before drafting, or None
+
 
 class LiveBackend:
     """The real engine; prompts are indices into an encoded prompt pool."""
@@ -61,6 +63,9 @@ class LiveBackend:
     def context_lens(self) -> np.ndarray:
         e = self.engine
         return np.array([r.length for r in e.rows] + [r.length for r in e.waiting], dtype=np.float32)
+
+    def probe(self) -> np.ndarray | None:
+        return self.engine.probe()
 
 
 @dataclass
@@ -154,6 +159,7 @@ class ServingLoop:
 
     def observation(self) -> np.ndarray:
         self.tracker.update_load(len(self.running), len(self.queue), self.backend.context_lens())
+        self.tracker.update_probe(self.backend.probe())
         return self.tracker.vector()
 
     # ----- one step ---------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def test_every_preset_loads_and_steps(preset, tiny_model_dir):
     # runs the real default)
     # replay presets need recorded traces: here they run on the live backend (tests/test_replay.py
     # covers the replay backend)
-    env = specrl.make_env(str(preset), model=tiny_model_dir, horizon_s=1.5, backend="live")
+    env = specrl.make_env(str(preset), model=tiny_model_dir, horizon_s=1.5, backend="live", cost_model="analytic")
     env.reset(seed=0)
     for _ in range(3):
         _, _, term, trunc, info = env.step(env.action_space.sample())

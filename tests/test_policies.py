@@ -104,12 +104,12 @@ def test_expected_accepted_matches_hand_computation():
 def test_goodput_picks_ar_at_low_acceptance_and_speculates_at_high():
     p = make_policy("goodput", CTX)
     low = feats(batch_size=1, mean_context=200, **{f"accept_d{d}": 0.0 for d in range(1, 9)})
-    high = feats(batch_size=1, mean_context=200, **{f"accept_d{d}": 0.9 for d in range(1, 9)})
+    high = feats(batch_size=1, mean_context=200, draft_top1=1.0, **{f"accept_d{d}": 0.9 for d in range(1, 9)})
     assert p.decide(low)[0] == 0
     assert p.decide(high)[0] >= 4
     # at large batch the analytic verify cost grows with batch x tokens: speculate less
-    big = feats(batch_size=16, mean_context=200, **{f"accept_d{d}": 0.5 for d in range(1, 9)})
-    small = feats(batch_size=1, mean_context=200, **{f"accept_d{d}": 0.5 for d in range(1, 9)})
+    big = feats(batch_size=16, mean_context=200, draft_top1=1.0, **{f"accept_d{d}": 0.5 for d in range(1, 9)})
+    small = feats(batch_size=1, mean_context=200, draft_top1=1.0, **{f"accept_d{d}": 0.5 for d in range(1, 9)})
     assert p.decide(big)[0] * p.decide(big)[1] <= p.decide(small)[0] * p.decide(small)[1]
 
 
@@ -124,3 +124,12 @@ def test_oracle_picks_best_step_goodput_and_needs_outcomes():
         p.decide(feats())
     p.set_outcomes([(0, 1), (2, 1), (4, 2)], np.array([4, 7, 9]), np.array([0.04, 0.05, 0.09]))
     assert p.decide(feats()) == (2, 1)  # 140 tok/s beats 100 and 100
+
+
+def test_goodput_scales_by_match_coverage_and_probes_out_of_k0():
+    p = make_policy("goodput", CTX)
+    f = feats(batch_size=1, mean_context=200, draft_top1=0.0, **{f"accept_d{d}": 0.9 for d in range(1, 9)})
+    picks = [p.decide(f) for _ in range(10)]  # no request has a match: drafting is pointless...
+    assert picks[:8] == [(0, 1)] * 8
+    assert picks[8][0] > 0  # ...but after 8 steps at k = 0 it drafts once to refresh its estimates
+    assert picks[9] == (0, 1)

@@ -161,7 +161,7 @@ def test_replay_and_live_env_agree_with_the_same_cost_model(tiny_traces, tiny_pa
 
 
 @pytest.mark.parametrize("variant", [
-    dict(workload={"arrival": "closed", "concurrency": [1, 3, 6], "max_new_tokens": 40}),
+    dict(workload={"arrival": "closed", "concurrency": [1, 3, 6], "max_new_tokens": 40}, time_penalty="ar"),
     dict(reward="latency", workload={"arrival": "poisson", "rate": [1.0, 6.0], "max_new_tokens": [8, 40],
                                      "max_batch_size": 4}),
     dict(reward="slo", switch_cost=2.0, workload={"arrival": "bursty", "max_new_tokens": 40, "slo_tpot_s": 0.05,

@@ -57,7 +57,7 @@ class SpecEnvBase(gym.Env):
     def _reward(self, rep: StepReport, kw: tuple[int, int]) -> float:
         cfg = self.cfg
         if cfg.reward == "throughput":
-            r = float(rep.tokens)
+            r = float(rep.tokens) - self._time_penalty(rep) * rep.dt
         elif cfg.reward == "latency":
             r = -rep.system_time
         else:
@@ -65,6 +65,24 @@ class SpecEnvBase(gym.Env):
         if cfg.switch_cost and self._prev is not None and kw != self._prev:
             r -= cfg.switch_cost
         return r * cfg.reward_scale
+
+    cost_model: Any = None  # set by backends that have one (replay, profiled live)
+
+    def _time_penalty(self, rep: StepReport) -> float:
+        """rho (tokens/s) charged per step second by the throughput reward."""
+        tp = self.cfg.time_penalty
+        if tp == "none":
+            return 0.0
+        if tp != "ar":
+            return float(tp)
+        if self.cost_model is None:
+            from specrl.errors import ConfigError
+
+            raise ConfigError("time_penalty='ar' needs a cost model (replay backend, or time_source='profiled').")
+        res = rep.result
+        b = len(res.rids)
+        ctx = float(np.mean(res.context_len)) if b else 0.0
+        return b / self.cost_model.step_time(self.cfg.drafter, 0, b, 1, (), ctx)
 
     def step(self, action: Any):
         from specrl.engine import Action

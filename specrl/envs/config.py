@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from specrl.config import apply_overrides, from_dict, load_yaml
-from specrl.errors import ConfigError, unknown_name
+from specrl.errors import ConfigError, TraceError, unknown_name
 from specrl.tree import MAX_K, MAX_W
 from specrl.workload import WorkloadConfig
 
@@ -47,6 +47,11 @@ class EnvConfig:
     """throughput (tokens per step) | latency (-dt x requests in system) | slo (tokens within SLO - penalties)."""
     reward_scale: float = 1.0
     """Multiplies the reward (keep returns in a range the agent likes)."""
+    time_penalty: str | float = "none"
+    """throughput reward only: subtract rho x step seconds. 'ar' = rho is plain decoding's rate for
+    the step's batch (cost model), so a step earns what it gains over not speculating; a number =
+    fixed tokens/s; 'none'. Average-reward (SMDP) form: it charges a step for the time it takes
+    even when the agent discounts future steps, and leaves the fixed-time return's optimum alone."""
     switch_cost: float = 0.0
     """Subtracted from the reward whenever the action differs from the previous one."""
     slo_penalty: float = 20.0
@@ -93,6 +98,10 @@ class EnvConfig:
             )
         if not self.horizon_s > 0:
             raise ConfigError(f"horizon_s={self.horizon_s} is invalid. Allowed: > 0 simulated seconds.")
+        if isinstance(self.time_penalty, str) and self.time_penalty not in ("none", "ar"):
+            raise ConfigError(f"time_penalty={self.time_penalty!r} is invalid. Allowed: 'none', 'ar' or tokens/s >= 0.")
+        if not isinstance(self.time_penalty, str) and self.time_penalty < 0:
+            raise ConfigError(f"time_penalty={self.time_penalty} is invalid. Allowed: 'none', 'ar' or tokens/s >= 0.")
         if not 0 < self.held_out < 1:
             raise ConfigError(f"held_out={self.held_out} is invalid. Allowed: 0 < held_out < 1.")
 
@@ -139,9 +148,11 @@ def load_cost_model(cfg: EnvConfig) -> Any:
     path = Path(cfg.cost_model) if cfg.cost_model else cost_path(cfg.model, cfg.draft, cfg.drafter, cfg.dtype, cfg.device)
     try:
         return CostModel.load(path)
-    except Exception as e:
+    except TraceError as e:
+        reason = str(e).split(" Fix:")[0]
         raise ConfigError(
-            f"{e} (the cost model charges time in the replay env and with time_source=profiled). Fix: run "
+            f"{reason} The cost model charges time in the replay env, with time_source=profiled and for "
+            "time_penalty=ar. Fix: run "
             f"`specrl profile --model {cfg.model} --drafter {cfg.drafter}"
             f"{' --draft ' + str(cfg.draft) if cfg.drafter == 'model' else ''} --dtype {cfg.dtype}`, "
             "or set cost_model: analytic for a synthetic one."

@@ -114,7 +114,8 @@ class SpecDecodeEnv(SpecEnvBase):
         self.pair = pair
         pool = prompt_pool(cfg, pair)
         engine = SpecEngine(pair, drafter=cfg.drafter, sampling=SamplingParams(cfg.temperature, cfg.top_p))
-        cost = load_cost_model(cfg) if cfg.time_source == "profiled" else None
+        cost = load_cost_model(cfg) if cfg.time_source == "profiled" or cfg.time_penalty == "ar" else None
+        self.cost_model = cost
         self.engine = engine
         return ServingLoop(LiveBackend(engine, pool.ids), Workload(cfg.workload, pool), time_function(cfg, cost),
                            cfg.horizon_s)

@@ -24,7 +24,16 @@ from specrl.costs import MAX_LEVELS
 from specrl.envs.config import EnvConfig, load_cost_model, load_env_config
 from specrl.envs.replay import load_replay_data
 from specrl.errors import ConfigError
-from specrl.features import INDEX, NUM_FEATURES, FeatureTracker, arrival_ema, initial_features, update_load_batch, update_step_batch
+from specrl.features import (
+    INDEX,
+    NUM_FEATURES,
+    FeatureTracker,
+    arrival_ema,
+    initial_features,
+    update_draft_batch,
+    update_load_batch,
+    update_step_batch,
+)
 from specrl.replay import action_table, popcount64
 from specrl.serving import SLO_GRACE_TOKENS
 from specrl.workload import Workload
@@ -35,6 +44,8 @@ _STREAM = 64  # closed-loop replacement arrivals drawn ahead per episode (extend
 
 class SpecReplayVecEnv(VecEnv):
     """N replay episodes stepped together (see module docstring)."""
+
+    render_mode = None  # no rendering (SB3 asks for the attribute)
 
     def __init__(self, config: str | dict | EnvConfig | None, num_envs: int, **overrides: Any) -> None:
         cfg = load_env_config(config, **overrides)
@@ -220,12 +231,16 @@ class SpecReplayVecEnv(VecEnv):
                 self.admitted[i] = q + 1
 
     def _load_features(self, idx: np.ndarray) -> None:
+        """Load features and, for the n-gram drafter, the current contexts' match statistics."""
         act = self.active[idx]
         ctx = np.where(act, self.plen[idx] + self.pos[idx], 0).astype(np.float64)
         n = act.sum(1)
         sub = self.obs[idx]
         update_load_batch(sub, n, self.arrived[idx] - self.admitted[idx],
                           np.where(n > 0, ctx.sum(1) / np.maximum(n, 1), 0.0), ctx.max(1))
+        if self.cfg.drafter == "ngram":
+            rows = self.tables.offsets[self.trow[idx]] + self.pos[idx]
+            update_draft_batch(sub, act, self.tables.stats[np.where(act, rows, 0)])
         self.obs[idx] = sub
 
     def _outcome(self, a_idx: np.ndarray) -> dict[str, np.ndarray]:
@@ -248,7 +263,7 @@ class SpecReplayVecEnv(VecEnv):
         dt = self.cost.step_time_batch(cfg.drafter, k > 0, batch, tree_tokens, levels, ctx_mean, newv.sum(1),
                                        np.where(newv, self.plen, 0).max(1))
         return {"valid": valid, "rows": rows, "flat": flat, "acc": np.minimum(acc, committed),
-                "committed": committed, "tree_tokens": tree_tokens, "batch": batch, "dt": dt}
+                "committed": committed, "tree_tokens": tree_tokens, "batch": batch, "dt": dt, "ctx_mean": ctx_mean}
 
     def action_outcomes(self) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
         """(actions, tokens (N, A), seconds (N, A)): what every action would do now (for the oracle)."""
@@ -336,7 +351,7 @@ class SpecReplayVecEnv(VecEnv):
         self._load_features(all_idx)
         # rewards
         if cfg.reward == "throughput":
-            rew = tokens.astype(np.float64)
+            rew = tokens.astype(np.float64) - self._time_penalty(batch, out["ctx_mean"]) * dt
         elif cfg.reward == "latency":
             rew = -system_time
         else:
@@ -372,6 +387,18 @@ class SpecReplayVecEnv(VecEnv):
                 obs[i] = self.obs[i]
             infos.append(info)
         return obs, rew, done, infos
+
+    def _time_penalty(self, batch: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+        """(N,) rho of the throughput reward (see EnvConfig.time_penalty)."""
+        tp = self.cfg.time_penalty
+        if tp == "none":
+            return np.zeros(self.num_envs)
+        if tp != "ar":
+            return np.full(self.num_envs, float(tp))
+        zero = np.zeros(self.num_envs)
+        ar = self.cost.step_time_batch(self.cfg.drafter, zero.astype(bool), batch, np.ones(self.num_envs),
+                                       np.zeros((self.num_envs, MAX_LEVELS)), ctx, zero, zero)
+        return batch / ar
 
     def _extend_stream(self, i: int) -> None:
         more = self.workloads[i].closed_stream(_STREAM)

@@ -1,0 +1,463 @@
+"""``specrl train``: RL on the vectorised replay env with Stable-Baselines3, tracked in wandb.
+
+A run = env preset + agent preset + ``--set`` overrides + seed. The run directory holds the
+resolved config (``config.json``, also copied next to every checkpoint), checkpoints, the final
+model with its observation-normalisation statistics, and the evaluation of the learned policy
+beside every baseline and the oracle on held-out prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specrl.config import apply_overrides, from_dict, load_yaml, split_override
+from specrl.errors import ConfigError, unknown_name
+
+ALGOS = ("ppo", "a2c", "dqn")
+
+
+@dataclass
+class AgentConfig:
+    algo: str = "ppo"
+    """ppo | a2c | dqn (dqn acts on the flattened (k, w) table)."""
+    n_envs: int = 64
+    """Parallel episodes in the vectorised replay env."""
+    total_timesteps: int = 1_500_000
+    """Env steps (summed over the parallel envs)."""
+    net_arch: list[int] = field(default_factory=lambda: [64, 64])
+    """Hidden layers of the policy (and value) MLP."""
+    frame_stack: int = 1
+    """Stack the last N observations (1 = none)."""
+    normalize_obs: bool = True
+    """Running mean/var normalisation of observations (VecNormalize); exported with the policy."""
+    normalize_reward: bool = True
+    """Scale rewards by a running estimate of the return's std (training only)."""
+    reward_scale: float = 1.0
+    """Multiplies the env reward (for algorithms without reward normalisation)."""
+    eval_every: int = 250_000
+    """Evaluate on held-out prompts every N steps (0 = only at the end)."""
+    checkpoint_every: int = 250_000
+    """Save a checkpoint every N steps."""
+    eval_loads: list[str] = field(default_factory=lambda: ["closed:1,2,4,8,16"])
+    """Load points of the evaluations (specrl evaluate syntax)."""
+    eval_seeds: int = 3
+    """Arrival seeds per load point in the evaluations."""
+    eval_horizon_s: float = 30.0
+    """Simulated seconds per evaluation episode."""
+    hyperparams: dict[str, Any] = field(default_factory=dict)
+    """Passed as keyword arguments to the Stable-Baselines3 algorithm."""
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise unknown_name("algo", self.algo, ALGOS)
+        if self.n_envs < 1 or self.total_timesteps < 1 or self.frame_stack < 1:
+            raise ConfigError("n_envs, total_timesteps and frame_stack must be >= 1.")
+
+
+def load_agent_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> AgentConfig:
+    data = load_yaml(path) if path else {}
+    return from_dict(AgentConfig, apply_overrides(data, overrides or {}))
+
+
+class FlatActions:
+    """Discrete(n) <-> the env's MultiDiscrete indices, over the distinct (k, w) of the table."""
+
+    def __init__(self, k_choices: list[int], w_choices: list[int]) -> None:
+        from specrl.policies.base import ActionTable
+
+        self.table = ActionTable(k_choices, w_choices)
+        self.actions = self.table.all()
+        self.indices = np.array([self.table.index(k, w) for k, w in self.actions])
+
+
+def make_vec_env(env_cfg: Any, agent: AgentConfig, seed: int, stats: dict[str, np.ndarray] | None = None):
+    """The training VecEnv stack: replay env -> (flat actions) -> VecNormalize -> (frame stack)."""
+    from gymnasium import spaces
+    from stable_baselines3.common.vec_env import VecEnvWrapper, VecFrameStack, VecNormalize
+
+    from specrl.envs.vector import SpecReplayVecEnv
+
+    if env_cfg.backend != "replay":
+        raise ConfigError("specrl train runs on the replay backend (set backend: replay in the env preset); "
+                          "the live env is for validation and spot checks.")
+    vec = SpecReplayVecEnv(env_cfg, agent.n_envs)
+    vec.seed(seed)
+    if agent.algo == "dqn":
+        flat = FlatActions(env_cfg.k_choices, env_cfg.w_choices)
+
+        class _Flat(VecEnvWrapper):
+            def __init__(self, venv: Any) -> None:
+                super().__init__(venv, action_space=spaces.Discrete(len(flat.actions)))
+
+            def reset(self) -> Any:
+                return self.venv.reset()
+
+            def step_async(self, actions: np.ndarray) -> None:
+                self.venv.step_async(flat.indices[np.asarray(actions, int).reshape(-1)])
+
+            def step_wait(self) -> Any:
+                return self.venv.step_wait()
+
+        vec = _Flat(vec)
+    vec = VecNormalize(vec, norm_obs=agent.normalize_obs, norm_reward=agent.normalize_reward, gamma=float(
+        agent.hyperparams.get("gamma", 0.99)), clip_obs=10.0)
+    if stats is not None:
+        vec.obs_rms.mean, vec.obs_rms.var, vec.obs_rms.count = stats["mean"], stats["var"], float(stats["count"])
+    if agent.frame_stack > 1:
+        vec = VecFrameStack(vec, agent.frame_stack)
+    return vec
+
+
+def _normalizer(vec: Any) -> Any:
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    while not isinstance(vec, VecNormalize):
+        vec = vec.venv
+    return vec
+
+
+def build_model(agent: AgentConfig, vec: Any, seed: int, run_dir: Path) -> Any:
+    from stable_baselines3 import A2C, DQN, PPO
+
+    cls = {"ppo": PPO, "a2c": A2C, "dqn": DQN}[agent.algo]
+    kw = dict(agent.hyperparams)
+    kw.setdefault("policy_kwargs", {})["net_arch"] = list(agent.net_arch)
+    return cls("MlpPolicy", vec, seed=seed, device="cpu", verbose=0, **kw)
+
+
+def obs_stats(vec: Any) -> dict[str, np.ndarray]:
+    rms = _normalizer(vec).obs_rms
+    return {"mean": np.asarray(rms.mean, np.float64), "var": np.asarray(rms.var, np.float64),
+            "count": np.asarray(rms.count, np.float64)}
+
+
+def save_stats(stats: dict[str, np.ndarray], path: Path) -> None:
+    """Observation statistics as JSON (no pickle): they travel to the exported controller."""
+    path.write_text(json.dumps({k: np.asarray(v).tolist() for k, v in stats.items()}))
+
+
+def load_stats(path: Path) -> dict[str, np.ndarray]:
+    d = json.loads(path.read_text())
+    return {k: np.asarray(v, np.float64) for k, v in d.items()}
+
+
+def learned_policy(run_dir: Path, env_cfg: Any, agent: AgentConfig, model: Any = None, name: str = "learned") -> Any:
+    """The run's policy as a specrl policy (deterministic actions)."""
+    from specrl.envs.config import load_cost_model
+    from specrl.learned import SB3Policy
+    from specrl.policies import PolicyContext
+
+    if model is None:
+        model = load_model(run_dir, agent)
+    stats = load_stats(run_dir / "obs_stats.json") if agent.normalize_obs else None
+    ctx = PolicyContext(env_cfg.k_choices, env_cfg.w_choices, load_cost_model(env_cfg), env_cfg.drafter)
+    flat = FlatActions(env_cfg.k_choices, env_cfg.w_choices).actions if agent.algo == "dqn" else None
+    return SB3Policy(ctx, model, None if stats is None else stats["mean"].astype(np.float32),
+                     None if stats is None else stats["var"].astype(np.float32), 10.0, agent.frame_stack, flat, name)
+
+
+def load_model(run_dir: Path, agent: AgentConfig, path: Path | None = None) -> Any:
+    from stable_baselines3 import A2C, DQN, PPO
+
+    cls = {"ppo": PPO, "a2c": A2C, "dqn": DQN}[agent.algo]
+    return cls.load(str(path or run_dir / "model.zip"), device="cpu")
+
+
+# ----- callbacks -------------------------------------------------------------------------------
+def make_callbacks(run_dir: Path, env_cfg: Any, agent: AgentConfig, tracker: Any, baseline_goodput: dict | None):
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class SpecCallback(BaseCallback):
+        """spec/ metrics from the env infos, checkpoints, periodic held-out evaluation."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.acc: list[float] = []
+            self.ks: list[int] = []
+            self.ws: list[int] = []
+            self.tokens = 0.0
+            self.secs = 0.0
+            self.next_ckpt = agent.checkpoint_every
+            self.next_eval = agent.eval_every if agent.eval_every else None
+            self.best = -np.inf
+            self.low: np.ndarray | None = None  # feature range seen in training (the controller's guard)
+            self.high: np.ndarray | None = None
+
+        def _on_training_end(self) -> None:
+            if self.low is not None:
+                prev = json.loads((run_dir / "obs_range.json").read_text()) if (run_dir / "obs_range.json").is_file() else None
+                low, high = self.low, self.high
+                if prev is not None:  # a resumed run keeps the range seen before
+                    low, high = np.minimum(low, prev["low"]), np.maximum(high, prev["high"])
+                (run_dir / "obs_range.json").write_text(json.dumps({"low": low.tolist(), "high": high.tolist()}))
+
+        def _on_step(self) -> bool:
+            raw = _normalizer(self.training_env).get_original_obs()  # (n_envs, F) unnormalised features
+            self.low = np.minimum(self.low, raw.min(0)) if self.low is not None else raw.min(0)
+            self.high = np.maximum(self.high, raw.max(0)) if self.high is not None else raw.max(0)
+            for info in self.locals.get("infos", []):
+                self.acc.append(info["accept_len_mean"])
+                self.ks.append(info["k"])
+                self.ws.append(info["w"])
+                self.tokens += info["tokens"]
+                self.secs += info["dt"]
+            if self.next_ckpt and self.num_timesteps >= self.next_ckpt:
+                save_checkpoint(run_dir, self.model, env_cfg, agent, self.num_timesteps)
+                self.next_ckpt += agent.checkpoint_every
+            if self.next_eval is not None and self.num_timesteps >= self.next_eval:
+                self.next_eval += agent.eval_every
+                self._evaluate()
+            return True
+
+        def _on_rollout_end(self) -> None:
+            if not self.acc:
+                return
+            self.logger.record("spec/accept_len", float(np.mean(self.acc)))
+            self.logger.record("perf/tokens_per_s", self.tokens / max(self.secs, 1e-9))
+            hist = np.bincount(np.asarray(self.ks), minlength=max(env_cfg.k_choices) + 1)
+            for k in env_cfg.k_choices:
+                self.logger.record(f"spec/action_k{k}", float(hist[k] / hist.sum()))
+            if tracker is not None:
+                tracker.histogram("spec/k", self.ks, self.num_timesteps)
+            self.acc, self.ks, self.ws, self.tokens, self.secs = [], [], [], 0.0, 0.0
+
+        def _evaluate(self) -> None:
+            stats = obs_stats(self.training_env)
+            save_stats(stats, run_dir / "obs_stats.json")
+            pol = learned_policy(run_dir, env_cfg, agent, self.model)
+            res = quick_eval(env_cfg, agent, pol)
+            for load, g in res["by_load"].items():
+                self.logger.record(f"eval/goodput_{load}", g["learned"])
+                if baseline_goodput and load in baseline_goodput:
+                    self.logger.record(f"eval/vs_best_baseline_{load}", g["learned"] / baseline_goodput[load])
+            self.logger.record("eval/goodput_overall", res["overall"]["learned"])
+            if res["overall"]["learned"] > self.best:
+                self.best = res["overall"]["learned"]
+                self.model.save(str(run_dir / "best_model.zip"))
+                save_stats(stats, run_dir / "best_obs_stats.json")
+
+    return SpecCallback()
+
+
+def quick_eval(env_cfg: Any, agent: AgentConfig, policy: Any, policies: list[str] = (), seeds: int | None = None,
+               out: Path | None = None) -> dict[str, Any]:
+    """The learned policy (and optionally baselines) on held-out prompts over the eval loads."""
+    from dataclasses import replace
+
+    from specrl.evaluate import evaluate, parse_loads
+
+    cfg = replace(env_cfg, prompt_split="test", horizon_s=agent.eval_horizon_s)
+    loads = parse_loads(list(agent.eval_loads))
+    policy.reset()
+    return evaluate(cfg, list(policies), loads, list(range(seeds or agent.eval_seeds)), out, progress=False,
+                    extra={"learned": lambda: _fresh(policy)})
+
+
+def _fresh(policy: Any) -> Any:
+    import copy
+
+    p = copy.copy(policy)
+    p.reset()
+    return p
+
+
+def save_checkpoint(run_dir: Path, model: Any, env_cfg: Any, agent: AgentConfig, steps: int) -> Path:
+    ck = run_dir / "checkpoints" / f"step_{steps:09d}"
+    ck.mkdir(parents=True, exist_ok=True)
+    model.save(str(ck / "model.zip"))
+    save_stats(obs_stats(model.get_env()), ck / "obs_stats.json")
+    shutil.copy(run_dir / "config.json", ck / "config.json")
+    return ck
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    cks = sorted((run_dir / "checkpoints").glob("step_*"))
+    return cks[-1] if cks else None
+
+
+# ----- wandb ---------------------------------------------------------------------------------------
+class WandbTracker:
+    """Optional wandb logging; offline unless the user has logged in. Imported only with --track."""
+
+    def __init__(self, run_dir: Path, name: str, config: dict[str, Any]) -> None:
+        import os
+
+        import wandb
+
+        if "WANDB_MODE" not in os.environ and not _wandb_logged_in():
+            os.environ["WANDB_MODE"] = "offline"
+        self.wandb = wandb
+        self.run = wandb.init(project="specrl", name=name, config=config, dir=str(run_dir), reinit=True)
+
+    def log(self, values: dict[str, Any], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def histogram(self, key: str, values: list[int], step: int) -> None:
+        self.run.log({key: self.wandb.Histogram(values)}, step=step)
+
+    def image(self, key: str, path: Path) -> None:
+        self.run.log({key: self.wandb.Image(str(path))})
+
+    def table(self, key: str, rows: list[list[Any]], columns: list[str]) -> None:
+        self.run.log({key: self.wandb.Table(columns=columns, data=rows)})
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def _wandb_logged_in() -> bool:
+    import netrc
+    import os
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def _logger(run_dir: Path, tracker: WandbTracker | None) -> Any:
+    from stable_baselines3.common.logger import CSVOutputFormat, KVWriter, Logger
+
+    formats: list[Any] = [CSVOutputFormat(str(run_dir / "progress.csv"))]
+    if tracker is not None:
+
+        class _W(KVWriter):
+            def write(self, key_values: dict, key_excluded: dict, step: int = 0) -> None:
+                tracker.log({k: v for k, v in key_values.items() if isinstance(v, (int, float, np.floating))}, step)
+
+            def close(self) -> None:
+                pass
+
+        formats.append(_W())
+    return Logger(str(run_dir), formats)
+
+
+# ----- the run ---------------------------------------------------------------------------------------
+def prepare(env_cfg: Any, progress: bool = True) -> None:
+    """Collect traces and profile costs if the replay env lacks them (cached)."""
+    from specrl.collect import ensure_traces
+    from specrl.costs import cost_path
+
+    ensure_traces(env_cfg, progress=progress)
+    if env_cfg.cost_model is None and not cost_path(env_cfg.model, env_cfg.draft, env_cfg.drafter, env_cfg.dtype,
+                                                     env_cfg.device).exists():
+        from specrl.envs.live import shared_pair
+        from specrl.profiling import profile_costs
+
+        print("no cost model for these models on this machine yet: profiling (cached for later runs)")
+        cm = profile_costs(shared_pair(env_cfg), env_cfg.drafter, progress=progress)
+        cm.save(cost_path(env_cfg.model, env_cfg.draft, env_cfg.drafter, env_cfg.dtype, env_cfg.device))
+
+
+def train(env_path: str | None, agent_path: str | None, overrides: list[str], seed: int = 0, track: bool = False,
+          run_dir: Path | None = None, resume: Path | None = None, progress: bool = True,
+          final_eval: bool = True) -> dict[str, Any]:
+    """Train (or resume) a run; returns a summary with the run directory and evaluation."""
+    from specrl.envs.config import EnvConfig, load_env_config
+
+    if resume is not None:
+        saved = json.loads((resume / "config.json").read_text())
+        env_cfg = from_dict(EnvConfig, saved["env"])
+        agent = from_dict(AgentConfig, saved["agent"])
+        seed, run_dir = saved["seed"], resume
+        name = saved["name"]
+    else:
+        env_over: dict[str, Any] = {}
+        agent_over: dict[str, Any] = {}
+        for item in overrides:
+            key, value = split_override(item)
+            if key.startswith("agent."):
+                agent_over[key[len("agent."):]] = value
+            else:
+                env_over[key.removeprefix("env.")] = value
+        env_cfg = load_env_config(env_path, **env_over)
+        agent = load_agent_config(agent_path, agent_over)
+        if agent.reward_scale != 1.0:
+            env_cfg = load_env_config(env_cfg, reward_scale=env_cfg.reward_scale * agent.reward_scale)
+        name = (f"{Path(env_path).stem if env_path else 'env'}-{Path(agent_path).stem if agent_path else agent.algo}"
+                f"-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir = run_dir or Path("runs") / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(
+            {"name": name, "seed": seed, "env": asdict(env_cfg), "agent": asdict(agent),
+             "env_preset": env_path, "agent_preset": agent_path, "overrides": overrides}, indent=1))
+    prepare(env_cfg, progress)
+    import torch
+
+    # a 64x64 MLP gains nothing from threads, and OpenMP thread hand-offs on a busy 2-core
+    # machine cost ~1 ms per tiny matmul
+    torch.set_num_threads(1)
+    tracker = WandbTracker(run_dir, name, json.loads((run_dir / "config.json").read_text())) if track else None
+    ck = latest_checkpoint(run_dir) if resume is not None else None
+    stats = load_stats(ck / "obs_stats.json") if ck is not None else None
+    vec = make_vec_env(env_cfg, agent, seed, stats)
+    if ck is not None:
+        model = load_model(run_dir, agent, ck / "model.zip")
+        model.set_env(vec)
+        done = model.num_timesteps
+    else:
+        model = build_model(agent, vec, seed, run_dir)
+        done = 0
+    model.set_logger(_logger(run_dir, tracker))
+    callback = make_callbacks(run_dir, env_cfg, agent, tracker, None)
+    t0 = time.perf_counter()
+    remaining = max(0, agent.total_timesteps - done)
+    if remaining:
+        model.learn(total_timesteps=remaining, callback=callback, reset_num_timesteps=ck is None,
+                    progress_bar=progress)
+    train_s = time.perf_counter() - t0
+    model.save(str(run_dir / "model.zip"))
+    save_stats(obs_stats(vec), run_dir / "obs_stats.json")
+    save_checkpoint(run_dir, model, env_cfg, agent, model.num_timesteps)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "steps": int(model.num_timesteps), "train_seconds": train_s,
+                               "steps_per_s": remaining / max(train_s, 1e-9)}
+    if final_eval:
+        from specrl.evaluate import markdown_table
+        from specrl.policies import BASELINES
+
+        pol = learned_policy(run_dir, env_cfg, agent, model)
+        res = quick_eval(env_cfg, agent, pol, [*BASELINES, "oracle"], out=run_dir / "eval")
+        summary["eval"] = {k: res[k] for k in ("overall", "by_load", "ci95", "accept_len", "plots", "table")}
+        (run_dir / "eval" / "table.md").write_text(markdown_table(res["_agg"], res["_labels"], res["_names"]) + "\n")
+        if tracker is not None:
+            for p in res.get("plots", []):
+                tracker.image(f"eval/{Path(p).stem}", Path(p))
+            tracker.table("eval/overall", [[k, v] for k, v in res["overall"].items()], ["policy", "goodput"])
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    if tracker is not None:
+        tracker.finish()
+    return summary
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env", default="envs/replay.yaml", help="env preset (YAML, replay backend)")
+    p.add_argument("--agent", default="agents/ppo.yaml", help="agent preset (YAML)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an env key (workload.rate=2) or an agent key (agent.total_timesteps=1e5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--track", action="store_true", help="log to wandb (offline unless you are logged in)")
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--no-eval", action="store_true", help="skip the final evaluation against the baselines")
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = train(args.env, args.agent, args.set, args.seed, args.track,
+                    Path(args.run_dir) if args.run_dir else None, Path(args.resume) if args.resume else None,
+                    final_eval=not args.no_eval)
+    print(f"run: {summary['run_dir']} ({summary['steps']} steps, {summary['steps_per_s']:.0f} steps/s)")
+    if "eval" in summary:
+        ov = summary["eval"]["overall"]
+        print("overall goodput (geometric mean over loads): " + ", ".join(f"{k} {v:.1f}" for k, v in ov.items()))
+        print(f"table: {summary['eval']['table']}\nplots: {', '.join(summary['eval']['plots'])}")
+    return 0
