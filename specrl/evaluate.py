@@ -253,8 +253,11 @@ def plot_results(episodes: list[Episode], agg: dict, labels: list[str], policies
         spec = [p for p in policies if p != "ar"]
         width = 0.8 / max(1, len(spec))
         for j, pol in enumerate(spec):
-            vals = [np.nanmean([e.summary.get("accept_by_category", {}).get(c, np.nan) for e in episodes
-                                if e.policy == pol] or [np.nan]) for c in cats]
+            vals = []
+            for c in cats:
+                xs = [e.summary.get("accept_by_category", {}).get(c, np.nan) for e in episodes if e.policy == pol]
+                xs = [x for x in xs if not np.isnan(x)]
+                vals.append(float(np.mean(xs)) if xs else 0.0)
             ax.bar(np.arange(len(cats)) + j * width, vals, width, label=pol)
         ax.set_xticks(np.arange(len(cats)) + 0.4 - width / 2, cats, rotation=20)
         ax.set(ylabel="mean accept length", title="Accept length by prompt category")

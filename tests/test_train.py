@@ -1,0 +1,120 @@
+"""Tiny-budget training runs for every agent preset, resume, wandb offline, bad presets."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specrl.errors import ConfigError
+from specrl.train import load_agent_config, train
+
+TINY = ["agent.total_timesteps=256", "agent.n_envs=4", "agent.eval_every=0", "agent.checkpoint_every=128",
+        "agent.eval_seeds=1", "agent.eval_loads=[closed:1]", "agent.eval_horizon_s=2.0"]
+SMALL_BATCH = {"ppo": ["agent.hyperparams.n_steps=32", "agent.hyperparams.batch_size=64"],
+               "ppo-framestack": ["agent.hyperparams.n_steps=32", "agent.hyperparams.batch_size=64"],
+               "a2c": [], "dqn": ["agent.hyperparams.learning_starts=32", "agent.hyperparams.buffer_size=1000"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_env(tiny_pair_dirs, tmp_path_factory):
+    from specrl.prompts import load_prompts
+
+    root = tmp_path_factory.mktemp("trainenv")
+    os.environ["SPECRL_CACHE_DIR"] = str(root / "cache")
+    prompts = root / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [p.text], "category": p.category})
+                                 for p in load_prompts("builtin")[::6]))
+    env = dict(backend="replay", model=tiny_pair_dirs[0], prompts=str(prompts), cost_model="analytic", horizon_s=3.0,
+               time_penalty="ar", workload={"arrival": "closed", "concurrency": [1, 4], "max_new_tokens": 24})
+    path = root / "env.yaml"
+    path.write_text(yaml.safe_dump(env))
+    yield str(path)
+    os.environ.pop("SPECRL_CACHE_DIR", None)
+
+
+@pytest.mark.parametrize("agent", ["ppo", "a2c", "dqn", "ppo-framestack"])
+def test_every_agent_preset_trains_and_evaluates(agent, tiny_env, tmp_path):
+    summary = train(tiny_env, f"agents/{agent}.yaml", TINY + SMALL_BATCH[agent], seed=1, run_dir=tmp_path / agent,
+                    progress=False)
+    run = Path(summary["run_dir"])
+    assert summary["steps"] >= 256
+    for f in ("config.json", "model.zip", "obs_stats.json", "obs_range.json", "summary.json", "eval/table.md"):
+        assert (run / f).exists(), f
+    assert "learned" in summary["eval"]["overall"] and "oracle" in summary["eval"]["overall"]
+    assert list((run / "checkpoints").glob("step_*/config.json"))
+    from specrl.runtime import Controller
+    from specrl.runtime.export import export_run
+
+    ctl = Controller.load(export_run(run, tmp_path / f"{agent}-export"))
+    assert ctl.frame_stack == (4 if agent == "ppo-framestack" else 1)
+
+
+def test_resume_continues_with_the_same_config(tiny_env, tmp_path):
+    first = train(tiny_env, "agents/ppo.yaml", TINY + SMALL_BATCH["ppo"], seed=2, run_dir=tmp_path / "r",
+                  progress=False, final_eval=False)
+    cfg1 = json.loads((tmp_path / "r" / "config.json").read_text())
+    # ask for more steps by editing the saved config, as a user resuming a longer run would
+    cfg1["agent"]["total_timesteps"] = 512
+    (tmp_path / "r" / "config.json").write_text(json.dumps(cfg1))
+    second = train(None, None, [], resume=tmp_path / "r", progress=False, final_eval=False)
+    cfg2 = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert cfg2 == cfg1 and second["run_dir"] == first["run_dir"]
+    assert second["steps"] >= 512 > first["steps"]
+    ck = sorted((tmp_path / "r" / "checkpoints").glob("step_*"))[-1]
+    assert json.loads((ck / "config.json").read_text()) == cfg1
+
+
+def test_track_writes_an_offline_wandb_run(tiny_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(tiny_env, "agents/ppo.yaml", TINY + SMALL_BATCH["ppo"], seed=3, track=True, run_dir=tmp_path / "w",
+          progress=False, final_eval=False)
+    runs = list((tmp_path / "w" / "wandb").glob("offline-run-*"))
+    assert runs and any(runs[0].rglob("*.wandb"))
+
+
+def test_without_track_wandb_is_not_imported(tiny_env, tmp_path):
+    import subprocess
+    import sys
+
+    code = (f"import sys; from pathlib import Path; from specrl.train import train; "
+            f"train({tiny_env!r}, 'agents/ppo.yaml', {TINY + SMALL_BATCH['ppo']!r}, run_dir=Path({str(tmp_path / 'n')!r}), "
+            f"progress=False, final_eval=False); print('wandb' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"algo": "sac"}, "Unknown algo 'sac'"),
+    ({"n_env": 4}, "Did you mean 'n_envs'"),
+    ({"total_timesteps": "lots"}, "expected an integer"),
+    ({"net_arch": 64}, "expected a list"),
+])
+def test_bad_agent_presets(bad, match, tmp_path):
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(ConfigError, match=match):
+        load_agent_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_agent_config(tmp_path / "nope.yaml")
+
+
+def test_train_refuses_the_live_backend(tiny_env, tmp_path):
+    with pytest.raises(ConfigError, match="replay backend"):
+        train(tiny_env, "agents/ppo.yaml", TINY + ["backend=live"], run_dir=tmp_path / "l", progress=False)
+
+
+def test_cli_train_smoke(tiny_env, tmp_path):
+    """The CLI end to end on a tiny budget (subprocess, as a user would run it)."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "specrl.cli", "train", "--env", tiny_env, "--agent", "agents/ppo.yaml",
+            "--run-dir", str(tmp_path / "cli"), *sum((["--set", s] for s in TINY + SMALL_BATCH["ppo"]), [])]
+    out = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "overall goodput" in out.stdout and (tmp_path / "cli" / "eval" / "goodput_vs_load.png").exists()
