@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("specrl.profiling", "measure the step cost model on this machine"),
     "collect": ("specrl.collect", "record decode traces for the replay env"),
     "evaluate": ("specrl.evaluate", "compare policies over a load sweep (replay or live)"),
+    "validate-replay": ("specrl.validate", "check the replay env against the live engine"),
     "train": ("specrl.train", "train an RL speculation policy on the replay env"),
     "export": ("specrl.runtime.export", "export a trained policy (or a rule) to a runtime controller"),
 }

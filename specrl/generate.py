@@ -25,6 +25,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=None, help="jsonl (Spec-Bench 'turns') or text file, or 'builtin'")
     p.add_argument("--category", action="append", default=None, help="keep prompts of this category (repeatable)")
     p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
+    p.add_argument("--policy", default=None,
+                   help="choose (k, w) every step with a policy: controller:DIR (exported), goodput, hf-heuristic, ...")
     p.add_argument("--k", type=int, default=4, help="speculation length (tree depth); 0 = plain decoding")
     p.add_argument("--w", type=int, default=1, help="tree width; 1 = chain")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -57,8 +59,14 @@ def run(args: argparse.Namespace) -> int:
     pair = ModelPair.load(args.model, draft if args.drafter == "model" else None, args.device, args.dtype)
     ids = [pair.encode_prompt(t, chat=False if args.no_chat else None) for t, _ in texts]
     engine = SpecEngine(pair, drafter=args.drafter, sampling=sampling, seed=args.seed)
+    controller = None
+    if args.policy:
+        from specrl.policies import make_policy
+        from specrl.runtime.adapters import EngineController
+
+        controller = EngineController(engine, make_policy(args.policy, _policy_context(args, pair)))
     t0 = time.perf_counter()
-    done = engine.generate(ids, args.max_new_tokens, action=action, batch_size=args.batch_size)
+    done = engine.generate(ids, args.max_new_tokens, action=controller or action, batch_size=args.batch_size)
     wall = time.perf_counter() - t0
     total = 0
     for i, ((text, cat), r) in enumerate(zip(texts, done)):
@@ -80,6 +88,26 @@ def run(args: argparse.Namespace) -> int:
             print(f"--- prompt {i} [{cat}] ---\n{text}\n--- completion ({len(out)} tokens, {r.steps} steps, "
                   f"mean accept length {rec['mean_accept_length']:.2f}) ---\n{rec['text']}\n")
     if not args.json:
-        print(f"{total} tokens in {wall:.2f} s ({total / wall:.1f} tokens/s), k={args.k} w={args.w} "
-              f"drafter={args.drafter}", file=sys.stderr)
+        how = f"policy {args.policy}" if args.policy else f"k={args.k} w={args.w}"
+        print(f"{total} tokens in {wall:.2f} s ({total / wall:.1f} tokens/s), {how}, drafter={args.drafter}",
+              file=sys.stderr)
+    if controller is not None and not args.json:
+        from collections import Counter
+
+        common = Counter(controller.decisions).most_common(4)
+        print("policy decisions (k, w): " + ", ".join(f"{a} x{n}" for a, n in common), file=sys.stderr)
     return 0
+
+
+def _policy_context(args: argparse.Namespace, pair: object) -> object:
+    """Action tables and, if profiled, the cost model for rules that need one (goodput)."""
+    from specrl.envs.config import load_cost_model, load_env_config
+    from specrl.policies import PolicyContext
+
+    cfg = load_env_config({"model": args.model, "draft": args.draft, "drafter": args.drafter, "dtype": args.dtype,
+                           "device": args.device})
+    try:
+        cost = load_cost_model(cfg)
+    except Exception:  # noqa: BLE001 - rules that need it say so when built
+        cost = None
+    return PolicyContext(cfg.k_choices, cfg.w_choices, cost, args.drafter)

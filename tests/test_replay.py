@@ -205,3 +205,19 @@ def test_vector_env_matches_scalar_replay_envs(variant, tiny_traces, tiny_pair_d
                 o, _ = e.reset()
             np.testing.assert_allclose(ov[i], o, rtol=1e-5, atol=1e-6)
     assert episodes >= 3
+
+
+def test_validate_replay_agrees_exactly_when_both_sides_use_the_cost_model(tiny_traces, tiny_pair_dirs,
+                                                                           isolated_cache):
+    from specrl.envs.config import load_env_config
+    from specrl.evaluate import parse_loads
+    from specrl.validate import table, validate
+
+    pair, prompts, tr = tiny_traces
+    cfg = load_env_config(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], prompts=_write(prompts, isolated_cache),
+                                     horizon_s=3.0))
+    res = validate(cfg, ["ar", "static:2,1", "static:6,3", "goodput"], parse_loads(["closed:1,3"]), [0], pair=pair,
+                   progress=False, live_time="profiled")
+    assert res["max_goodput_rel_error"] < 1e-9 and res["same_static_ranking"] and res["spearman"] > 0.99
+    assert all(abs(r["live_accept_len"] - r["replay_accept_len"]) < 1e-9 for r in res["rows"])
+    assert "| closed:1 | static:2,1 |" in table(res)
