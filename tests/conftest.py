@@ -58,3 +58,31 @@ def isolated_cache(tmp_path, monkeypatch):
     """Point the specrl cache (traces, costs, replay tables) at a temporary folder."""
     monkeypatch.setenv("SPECRL_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture(scope="session")
+def tiny_replay_env(tiny_pair_dirs, tmp_path_factory):
+    """A replay env preset (YAML path) on the tiny pair: 16 built-in prompts, analytic costs,
+    its own specrl cache (traces are recorded on first use)."""
+    import json
+
+    import yaml
+
+    from specrl.prompts import load_prompts
+
+    root = tmp_path_factory.mktemp("replayenv")
+    old = os.environ.get("SPECRL_CACHE_DIR")
+    os.environ["SPECRL_CACHE_DIR"] = str(root / "cache")
+    prompts = root / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [p.text], "category": p.category})
+                                 for p in load_prompts("builtin")[::6]))
+    env = dict(backend="replay", model=tiny_pair_dirs[0], prompts=str(prompts), cost_model="analytic",
+               horizon_s=3.0, time_penalty="ar",
+               workload={"arrival": "closed", "concurrency": [1, 4], "max_new_tokens": 24})
+    path = root / "env.yaml"
+    path.write_text(yaml.safe_dump(env))
+    yield str(path)
+    if old is None:
+        os.environ.pop("SPECRL_CACHE_DIR", None)
+    else:
+        os.environ["SPECRL_CACHE_DIR"] = old

@@ -18,35 +18,17 @@ from specrl.runtime import Controller
 
 
 @pytest.fixture(scope="module")
-def trained_run(tiny_pair_dirs, tmp_path_factory):
+def trained_run(tiny_replay_env, tmp_path_factory):
     """A tiny PPO run on tiny traces (seconds), and its export."""
-    import os
-
-    from specrl.prompts import load_prompts
+    from specrl.runtime.export import export_run
     from specrl.train import train
 
     root = tmp_path_factory.mktemp("run")
-    os.environ["SPECRL_CACHE_DIR"] = str(root / "cache")
-    prompts = root / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"turns": [p.text], "category": p.category})
-                                 for p in load_prompts("builtin")[::6]))
-    env = dict(backend="replay", model=tiny_pair_dirs[0], prompts=str(prompts), cost_model="analytic",
-               horizon_s=4.0, time_penalty="ar", workload={"arrival": "closed", "concurrency": [1, 4],
-                                                           "max_new_tokens": 24})
-    env_yaml = root / "env.yaml"
-    import yaml
-
-    env_yaml.write_text(yaml.safe_dump(env))
-    summary = train(str(env_yaml), "agents/ppo.yaml", ["agent.total_timesteps=2048", "agent.n_envs=8",
-                                                        "agent.hyperparams.n_steps=64", "agent.hyperparams.batch_size=128",
-                                                        "agent.eval_every=0", "agent.eval_seeds=1",
-                                                        "agent.eval_loads=[closed:1]"],
-                    seed=0, run_dir=root / "run", progress=False, final_eval=False)
-    from specrl.runtime.export import export_run
-
-    out = export_run(Path(summary["run_dir"]), root / "export")
-    yield Path(summary["run_dir"]), out
-    os.environ.pop("SPECRL_CACHE_DIR", None)
+    summary = train(tiny_replay_env, "agents/ppo.yaml", [
+        "agent.total_timesteps=2048", "agent.n_envs=8", "agent.hyperparams.n_steps=64",
+        "agent.hyperparams.batch_size=128", "agent.eval_every=0", "agent.eval_seeds=1", "agent.eval_loads=[closed:1]",
+    ], seed=0, run_dir=root / "run", progress=False, final_eval=False)
+    return Path(summary["run_dir"]), export_run(Path(summary["run_dir"]), root / "export")
 
 
 def test_parity_with_sb3_predict(trained_run):

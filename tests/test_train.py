@@ -20,20 +20,8 @@ SMALL_BATCH = {"ppo": ["agent.hyperparams.n_steps=32", "agent.hyperparams.batch_
 
 
 @pytest.fixture(scope="module")
-def tiny_env(tiny_pair_dirs, tmp_path_factory):
-    from specrl.prompts import load_prompts
-
-    root = tmp_path_factory.mktemp("trainenv")
-    os.environ["SPECRL_CACHE_DIR"] = str(root / "cache")
-    prompts = root / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"turns": [p.text], "category": p.category})
-                                 for p in load_prompts("builtin")[::6]))
-    env = dict(backend="replay", model=tiny_pair_dirs[0], prompts=str(prompts), cost_model="analytic", horizon_s=3.0,
-               time_penalty="ar", workload={"arrival": "closed", "concurrency": [1, 4], "max_new_tokens": 24})
-    path = root / "env.yaml"
-    path.write_text(yaml.safe_dump(env))
-    yield str(path)
-    os.environ.pop("SPECRL_CACHE_DIR", None)
+def tiny_env(tiny_replay_env):
+    return tiny_replay_env
 
 
 @pytest.mark.parametrize("agent", ["ppo", "a2c", "dqn", "ppo-framestack"])
