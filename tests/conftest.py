@@ -10,6 +10,13 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 
+# One intra-op thread: the tiny test models gain nothing from threads, and on a busy 2-core
+# machine OpenMP hand-offs stall each small op by milliseconds (tests ran 10x slower).
+# SPECRL_TEST_THREADS=2 restores torch's default for the real-model tests.
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ.get("SPECRL_TEST_THREADS", "1")))
+
 
 @pytest.fixture(scope="session")
 def default_pair():
