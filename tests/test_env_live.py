@@ -171,23 +171,23 @@ def test_live_rollout_keeps_exactness(tiny_model_dir):
     {"arrival": "poisson", "rate": 2.0, "max_new_tokens": 24},
 ])
 def test_default_model_env_runs_real_decoding(workload, default_pair):
-    env = gym.make("specrl/SpecDecode-v0", pair=default_pair, horizon_s=4.0, workload=workload)
+    # a long horizon: the episode must not end early however slow this machine is right now
+    env = gym.make("specrl/SpecDecode-v0", pair=default_pair, horizon_s=600.0, workload=workload)
     obs, _ = env.reset(seed=0)
     tokens = 0
-    for _ in range(60):
+    for _ in range(12):
         obs, r, term, trunc, info = env.step(env.action_space.sample())
         tokens += info["tokens"]
-        if term or trunc:
-            break
-    assert tokens > 10 and info["time"] > 0
+        assert not (term or trunc)
+    assert tokens >= 12 and info["time"] > 0 and env.observation_space.contains(obs)
 
 
 @pytest.mark.slow
 def test_sb3_ppo_learns_on_the_default_model(default_pair):
     from stable_baselines3 import PPO
 
-    env = specrl.make_env({"horizon_s": 3.0, "workload": {"arrival": "closed", "concurrency": [1, 4],
-                                                           "max_new_tokens": 24}}, pair=default_pair)
+    env = specrl.make_env({"horizon_s": 600.0, "workload": {"arrival": "closed", "concurrency": [1, 4],
+                                                             "max_new_tokens": 24}}, pair=default_pair)
     model = PPO("MlpPolicy", env, n_steps=32, batch_size=16, n_epochs=1, seed=0, device="cpu")
     model.learn(total_timesteps=64)
     assert model.num_timesteps >= 64
