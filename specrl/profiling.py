@@ -56,6 +56,34 @@ def _forward_grid(model, device, batch, tokens, context, reps, vocab, bar) -> np
     return grid
 
 
+def isotonic(y: np.ndarray) -> np.ndarray:
+    """Least-squares non-decreasing fit (pool adjacent violators) of a 1-D sequence."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in y:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return np.concatenate([np.full(int(c), s / c) for s, c in blocks])
+
+
+def monotone(grid: np.ndarray) -> np.ndarray:
+    """Make a (batch, tokens, context) latency grid non-decreasing along batch and tokens.
+
+    More rows or more tokens never take less time; measured grids violate this only through
+    timing noise, and a non-monotone cost model would teach policies that noise."""
+    out = grid.copy()
+    for _ in range(2):  # alternate until both axes agree (two rounds suffice in practice)
+        for i in range(out.shape[0]):
+            for k in range(out.shape[2]):
+                out[i, :, k] = isotonic(out[i, :, k])
+        for j in range(out.shape[1]):
+            for k in range(out.shape[2]):
+                out[:, j, k] = isotonic(out[:, j, k])
+    return out
+
+
 def profile_costs(
     pair, drafter: str = "ngram", batch=DEFAULT_BATCH, tokens=DEFAULT_TOKENS, context=DEFAULT_CONTEXT,
     reps: int = 3, progress: bool = True,
@@ -113,8 +141,8 @@ def profile_costs(
         coef, *_ = np.linalg.lstsq(np.asarray(xs, float), np.asarray(ys), rcond=None)
         bar.update(1)
     return CostModel(
-        list(batch), list(tokens), list(context), verify.tolist(),
-        None if draft is None else draft.tolist(), float(per_row), overhead,
+        list(batch), list(tokens), list(context), monotone(verify).tolist(),
+        None if draft is None else monotone(draft).tolist(), float(per_row), overhead,
         tuple(float(max(c, 0.0)) for c in coef),  # type: ignore[arg-type]
         provenance(pair, drafter),
     )
@@ -155,7 +183,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
     add_model_args(p)
     p.add_argument("-o", "--output", default=None, help="JSON path (default: the specrl cache)")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="timed repeats per grid point (median)")
     p.add_argument("--quick", action="store_true", help="a coarse grid (for smoke tests)")
     p.add_argument("--plot", default=None, help="PNG path for the latency surfaces (default: beside the JSON)")
 
