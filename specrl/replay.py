@@ -79,12 +79,14 @@ class ReplayTables:
         self.mask_flat = self.mask.ravel()
 
     @staticmethod
-    def build(traces: Traces, actions: list[tuple[int, int]], drafter: str, max_ngram: int = 3,
-              min_ngram: int = 1, progress: bool = True) -> ReplayTables:
+    def build(traces: Traces, actions: list[tuple[int, int]], drafter: str, max_ngram: int | None = None,
+              min_ngram: int | None = None, progress: bool = True) -> ReplayTables:
         from tqdm import tqdm
 
-        from specrl.drafters.ngram import lookup, ngram_tree
+        from specrl.drafters.ngram import MAX_NGRAM, MIN_NGRAM, lookup, ngram_tree
 
+        max_ngram = MAX_NGRAM if max_ngram is None else max_ngram
+        min_ngram = MIN_NGRAM if min_ngram is None else min_ngram
         n_act = len(actions)
         shapes = [tree_shape(k, w) for k, w in actions]
         if max(s.num_nodes for s in shapes) > 64:
@@ -162,7 +164,11 @@ class ReplayTables:
     def cached(traces: Traces, actions: list[tuple[int, int]], drafter: str, cache_dir: Path,
                progress: bool = True) -> ReplayTables:
         """Build once per (trace, action table, drafter); later loads take milliseconds."""
-        key = hashlib.sha1(f"{traces.meta.get('sha256')}|{actions}|{drafter}|{TABLE_FORMAT}".encode()).hexdigest()[:16]
+        from specrl.drafters.ngram import MAX_NGRAM, MIN_NGRAM
+
+        # everything the tables depend on: the trace, the action table and the drafter's settings
+        key = hashlib.sha1(f"{traces.meta.get('sha256')}|{actions}|{drafter}|{MAX_NGRAM},{MIN_NGRAM}|"
+                           f"{TABLE_FORMAT}".encode()).hexdigest()[:16]
         path = cache_dir / f"replay-{key}.npz"
         hit = ReplayTables.load(path) if path.exists() else None
         if hit is not None:
