@@ -217,8 +217,9 @@ class SpecEngine:
         if proposed:
             draft = self.drafter.propose(seqs, shape, asked, self.sampling, self.generator)
             # drop tree slots that no row filled (an n-gram drafter often finds nothing): they
-            # would cost verify compute for nothing
-            keep = draft.present.any(dim=0).cpu().numpy() if draft.probs is None else None
+            # would cost verify compute for nothing. Only when the drafter knows it on the host:
+            # asking the device would cost a synchronisation per step.
+            keep = draft.host_union
             if keep is not None and not keep.all():
                 idx = torch.from_numpy(np.flatnonzero(keep)).to(dev)
                 draft = Draft(

@@ -40,6 +40,9 @@ class Draft:
     entropy: torch.Tensor  # (B,) float: entropy (nats) of the first-token draft distribution (0 for n-gram)
     match_len: torch.Tensor  # (B,) float: n-gram length of the match used (0 for model drafters)
     num_matches: torch.Tensor  # (B,) float: number of earlier matches found (0 for model drafters)
+    host_union: np.ndarray | None = None  # (n,) bool on the host: slots filled in any row, when the
+    #                                        drafter knows it without a device sync (n-gram); lets the
+    #                                        engine drop slots nobody filled
 
 
 class Drafter(Protocol):

@@ -168,4 +168,5 @@ class NGramDrafter:
             entropy=zeros,
             match_len=st[:, 0],
             num_matches=st[:, 1],
+            host_union=(have & present).any(axis=0),
         )
