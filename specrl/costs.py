@@ -3,8 +3,10 @@
 Step time = prefill (requests joining) + draft round + target verify pass + fixed overhead.
 Every term is measured (``profile_costs``, CLI ``specrl profile``) on a grid and interpolated:
 multilinear in (log2 batch, log2 tokens per row, context length), clamped to the grid. The
-grid shows the core trade-off: the verify pass is almost free per extra token at batch 1 and
-close to linear at large batch, so long trees pay at low load and k = 0 wins at high load.
+grid shows the core trade-off: extra tokens are cheap at batch 1 and close to linear at large
+batch, so long trees pay at low load and k = 0 wins at high load. The grid is not forced to be
+monotone: on CPUs the matmul kernels make 2 tokens per row slower than 5 at batch 1, and
+policies should see that.
 
 The file is JSON with provenance (models, dtype, device, torch version, date) so a replay run
 can refuse a profile made for other models.

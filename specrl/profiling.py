@@ -33,60 +33,52 @@ def _time(fn, device: torch.device, reps: int) -> float:
 
 @torch.inference_mode()
 def _forward_grid(model, device, batch, tokens, context, reps, vocab, bar) -> np.ndarray:
-    grid = np.zeros((len(batch), len(tokens), len(context)))
+    """Median seconds of a forward with B rows of n new tokens over c cached ones, per grid point.
+
+    Every point is timed once per pass, passes visit the points in a fresh random order, and the
+    median over passes is kept: a noisy moment of a shared machine then spreads over all points
+    instead of corrupting a few."""
     rng = np.random.default_rng(0)
+    caches = {}
     for k, c in enumerate(context):
         for i, b in enumerate(batch):
             cache = RaggedKVCache()
             for _ in range(b):  # row by row keeps prefill memory small
                 prefill(model, cache, [rng.integers(0, vocab, size=c + 1)], device)
-            for j, n in enumerate(tokens):
-                ids = torch.as_tensor(rng.integers(0, vocab, size=(b, n)), device=device)
-                pos = torch.full((b, n), c, device=device) + torch.arange(n, device=device)
-                tail = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None].expand(b, n, n)
+            caches[i, k] = cache
+    points = [(i, j, k) for i in range(len(batch)) for j in range(len(tokens)) for k in range(len(context))]
+    samples: dict[tuple[int, int, int], list[float]] = {p: [] for p in points}
 
-                def once():
-                    base = cache.T
-                    cache.forward(model, ids, pos, tail, base)
-                    cache.keep(base, torch.full((b, 1), base, device=device), torch.zeros(b, dtype=torch.long,
-                                                                                          device=device), 0)
+    def once(i: int, j: int, k: int) -> float:
+        b, n, c = batch[i], tokens[j], context[k]
+        cache = caches[i, k]
+        ids = torch.as_tensor(rng.integers(0, vocab, size=(b, n)), device=device)
+        pos = torch.full((b, n), c, device=device) + torch.arange(n, device=device)
+        tail = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None].expand(b, n, n)
+        sw = Stopwatch(device)
+        base = cache.T
+        sw.start("x")
+        cache.forward(model, ids, pos, tail, base)
+        sw.stop("x")
+        cache.keep(base, torch.full((b, 1), base, device=device), torch.zeros(b, dtype=torch.long, device=device), 0)
+        return sw.seconds()["x"]
 
-                grid[i, j, k] = _time(once, device, reps)
-                bar.update(1)
+    for p in points:  # warm-up pass (allocations, kernel selection)
+        once(*p)
+    for _ in range(reps):
+        for idx in rng.permutation(len(points)):
+            p = points[idx]
+            samples[p].append(once(*p))
+        bar.update(len(points) / reps if reps else 0)
+    grid = np.zeros((len(batch), len(tokens), len(context)))
+    for (i, j, k), xs in samples.items():
+        grid[i, j, k] = statistics.median(xs)
     return grid
-
-
-def isotonic(y: np.ndarray) -> np.ndarray:
-    """Least-squares non-decreasing fit (pool adjacent violators) of a 1-D sequence."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in y:
-        blocks.append([float(v), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            s, c = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += c
-    return np.concatenate([np.full(int(c), s / c) for s, c in blocks])
-
-
-def monotone(grid: np.ndarray) -> np.ndarray:
-    """Make a (batch, tokens, context) latency grid non-decreasing along batch and tokens.
-
-    More rows or more tokens never take less time; measured grids violate this only through
-    timing noise, and a non-monotone cost model would teach policies that noise."""
-    out = grid.copy()
-    for _ in range(2):  # alternate until both axes agree (two rounds suffice in practice)
-        for i in range(out.shape[0]):
-            for k in range(out.shape[2]):
-                out[i, :, k] = isotonic(out[i, :, k])
-        for j in range(out.shape[1]):
-            for k in range(out.shape[2]):
-                out[:, j, k] = isotonic(out[:, j, k])
-    return out
 
 
 def profile_costs(
     pair, drafter: str = "ngram", batch=DEFAULT_BATCH, tokens=DEFAULT_TOKENS, context=DEFAULT_CONTEXT,
-    reps: int = 3, progress: bool = True,
+    reps: int = 5, progress: bool = True,
 ) -> CostModel:
     """Measure every cost-model term for ``pair`` on its device."""
     from specrl.drafters.ngram import NGramDrafter
@@ -141,8 +133,8 @@ def profile_costs(
         coef, *_ = np.linalg.lstsq(np.asarray(xs, float), np.asarray(ys), rcond=None)
         bar.update(1)
     return CostModel(
-        list(batch), list(tokens), list(context), monotone(verify).tolist(),
-        None if draft is None else monotone(draft).tolist(), float(per_row), overhead,
+        list(batch), list(tokens), list(context), verify.tolist(),
+        None if draft is None else draft.tolist(), float(per_row), overhead,
         tuple(float(max(c, 0.0)) for c in coef),  # type: ignore[arg-type]
         provenance(pair, drafter),
     )
@@ -183,7 +175,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
     add_model_args(p)
     p.add_argument("-o", "--output", default=None, help="JSON path (default: the specrl cache)")
-    p.add_argument("--reps", type=int, default=3, help="timed repeats per grid point (median)")
+    p.add_argument("--reps", type=int, default=5, help="timed repeats per grid point (median)")
     p.add_argument("--quick", action="store_true", help="a coarse grid (for smoke tests)")
     p.add_argument("--plot", default=None, help="PNG path for the latency surfaces (default: beside the JSON)")
 
