@@ -69,7 +69,7 @@ def _forward_grid(model, device, batch, tokens, context, reps, vocab, bar) -> np
         for idx in rng.permutation(len(points)):
             p = points[idx]
             samples[p].append(once(*p))
-        bar.update(len(points) / reps if reps else 0)
+        bar.update(1)
     grid = np.zeros((len(batch), len(tokens), len(context)))
     for (i, j, k), xs in samples.items():
         grid[i, j, k] = statistics.median(xs)
@@ -87,10 +87,10 @@ def profile_costs(
     from specrl.tree import tree_shape
 
     dev, vocab = pair.device, pair.vocab_size
-    n_grid = len(batch) * len(tokens) * len(context)
     with_draft = drafter == "model" and pair.draft is not None
-    total = n_grid * (2 if with_draft else 1) + 3
-    with tqdm(total=total, desc="profiling", disable=not progress, unit="pt") as bar:
+    # progress in timed passes: one per repeat over each forward grid, then three calibrations
+    total = reps * (2 if with_draft else 1) + 3
+    with tqdm(total=total, desc="profiling", disable=not progress, unit="pass") as bar:
         verify = _forward_grid(pair.target, dev, batch, tokens, context, reps, vocab, bar)
         draft = _forward_grid(pair.draft, dev, batch, tokens, context, reps, vocab, bar) if with_draft else None
         rng = np.random.default_rng(1)
@@ -103,17 +103,26 @@ def profile_costs(
         per_row = _time(lambda: ng.propose(seqs, shape, present, SamplingParams(), None), dev, reps) / len(seqs)
         bar.update(1)
 
-        # fixed per-step overhead: engine k = 0 step minus the bare forward it contains
-        over = []
+        # per-step overhead: what real engine steps cost beyond the modelled draft and verify
+        # time (bookkeeping, cache rollback and compaction, tree building), calibrated on steps
+        # that speculate on repetitive text, so the n-gram drafter proposes real trees
+        bare = CostModel(list(batch), list(tokens), list(context), verify.tolist(),
+                         None if draft is None else draft.tolist(), float(per_row))
+        xs, ys = [], []
+        cycle = [Action(0, 1), Action(2, 1), Action(4, 1), Action(4, 2), Action(8, 1)]
         for b in batch:
-            eng = SpecEngine(pair, drafter="ngram")
+            eng = SpecEngine(pair, drafter=drafter)
             for _ in range(b):
-                eng.add_request(rng.integers(0, vocab, size=context[0]), max_new_tokens=64)
+                eng.add_request(np.tile(rng.integers(0, vocab, size=32), context[0] // 32 + 1), max_new_tokens=4096)
             eng.step(Action(0, 1))  # prefill
-            times = [eng.step(Action(0, 1)).step_time for _ in range(max(3, reps))]
-            bare = verify[list(batch).index(b), 0, 0]
-            over.append(max(0.0, statistics.median(times) - bare))
-        slope, icpt = np.polyfit(np.asarray(batch, float), np.asarray(over), 1)
+            for step in range(max(2, reps) * len(cycle)):
+                a = cycle[step % len(cycle)]
+                r = eng.step(a)
+                ctx = float(np.mean(r.context_len))
+                model = bare.step_time(drafter, a.k, b, r.tree_tokens, r.level_sizes, ctx)
+                xs.append(b)
+                ys.append(r.step_time - r.prefill_time - model)
+        slope, icpt = np.polyfit(np.asarray(xs, float), np.asarray(ys), 1)
         overhead = (float(max(icpt, 0.0)), float(max(slope, 0.0)))
         bar.update(1)
 
