@@ -43,7 +43,7 @@ def main() -> None:
         times.append(time.perf_counter_ns() - t0)
     tracker = FeatureTracker()
     t_track = []
-    for i in range(2000):
+    for _ in range(2000):
         t0 = time.perf_counter_ns()
         tracker.update_load(8, 0, [300] * 8)
         tracker.update_step(np.array([2, 0, 1, 3, 0, 0, 4, 1]), np.array([4] * 8), 4, 1,

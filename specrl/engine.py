@@ -33,7 +33,6 @@ from specrl.step import Action, StepResult
 from specrl.tree import MAX_K, TreeShape, tree_shape
 from specrl.verify import TreeTensors, verify
 
-
 ActionLike = Action | tuple[int, int] | Sequence[Action]
 
 

@@ -153,7 +153,7 @@ class RaggedKVCache:
         if max_count > 0 and not in_place:
             src = cols[:, :max_count].clamp(min=start, max=self.T - 1)  # (B, m)
             for store in (self.keys, self.values):
-                for i, buf in enumerate(store):
+                for buf in store:
                     h, d = buf.shape[1], buf.shape[3]
                     idx = src[:, None, :, None].expand(bsz, h, max_count, d)
                     moved = buf[:bsz].gather(2, idx)  # (B, H, m, D)

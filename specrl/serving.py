@@ -21,7 +21,6 @@ import numpy as np
 from specrl.features import FeatureTracker
 from specrl.workload import Arrival, RequestRecord, Workload
 
-
 SLO_GRACE_TOKENS = 8
 
 

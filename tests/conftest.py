@@ -52,8 +52,9 @@ def tiny_pair_dirs(tmp_path_factory):
     import collections
     import re
 
-    from specrl.prompts import load_prompts
     from tiny import save_tiny_pair
+
+    from specrl.prompts import load_prompts
 
     counts = collections.Counter(w for p in load_prompts("builtin") for w in re.findall(r"\S+", p.text))
     words = sorted(w for w, _ in counts.most_common(14))

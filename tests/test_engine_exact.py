@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny import tiny_pair
 
 from specrl.engine import Action, SpecEngine
-from tiny import tiny_pair
 
 
 def reference_greedy(model, prompt, max_new_tokens, eos=()):

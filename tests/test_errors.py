@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from tiny import save_tiny, tiny_pair
 
 from specrl.engine import Action, SpecEngine
 from specrl.errors import ConfigError, ModelLoadError, RequestError, TokenizerMismatchError
 from specrl.models import ModelPair
-from tiny import save_tiny, tiny_pair
 
 WORDS = "the cat sat on a mat and dog ran far away".split()
 

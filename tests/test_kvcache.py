@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from tiny import tiny_pair
 
 from specrl.engine import Action, SpecEngine
 from specrl.kvcache import RaggedKVCache, prefill
-from tiny import tiny_pair
 
 
 @torch.inference_mode()
@@ -42,7 +42,7 @@ def test_caches_match_fresh_prefill_after_many_rollbacks():
     for c in (eng.cache, eng.drafter.cache):  # compact aggressively to exercise it
         c.min_compact_len, c.waste_limit = 8, 0.05
     rng = np.random.default_rng(0)
-    for i in range(6):
+    for _i in range(6):
         eng.add_request(rng.integers(0, 64, size=int(rng.integers(2, 30))), max_new_tokens=int(rng.integers(60, 150)))
     checks = compactions = 0
     for step in range(400):

@@ -37,7 +37,7 @@ def test_fill_tree_maps_trie_to_rank_paths():
     assert tokens[idx[(0, 0)]] == 2 and tokens[idx[(0, 1)]] == 4 and tokens[idx[(0, 0, 0)]] == 3
     assert not present[idx[(2,)]] and not present[idx[(1, 0)]]
     # siblings are distinct tokens
-    for node, kids in enumerate(shape.children):
+    for _node, kids in enumerate(shape.children):
         toks = [tokens[c] for c in kids if present[c]]
         assert len(toks) == len(set(toks))
 

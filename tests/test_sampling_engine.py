@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from tiny import tiny_pair
 
 from specrl.engine import Action, SpecEngine
 from specrl.sampling import SamplingParams, probs_from_logits
-from tiny import tiny_pair
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so the n-gram drafter proposes trees too

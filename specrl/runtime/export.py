@@ -62,9 +62,9 @@ def write_artifact(out: Path, meta: dict[str, Any], tensors: dict[str, np.ndarra
 
 def export_run(run_dir: Path, out: Path, fallback: str | None = None, margin: float = 0.25) -> Path:
     """Export a ``specrl train`` run directory (its final model and statistics)."""
+    from specrl.config import from_dict
     from specrl.envs.config import EnvConfig, load_cost_model
     from specrl.train import AgentConfig, FlatActions, load_model, load_stats
-    from specrl.config import from_dict
 
     cfg_path = run_dir / "config.json"
     if not cfg_path.is_file():
