@@ -11,6 +11,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("specrl.demo", "the main job on the embedded default model"),
     "generate": ("specrl.generate", "decode prompts with speculative decoding"),
+    "draft": ("specrl.drafttrain.cli", "train and evaluate draft models"),
     "profile": ("specrl.profiling", "measure the step cost model on this machine"),
     "collect": ("specrl.collect", "record decode traces for the replay env"),
     "evaluate": ("specrl.evaluate", "compare policies over a load sweep (replay or live)"),

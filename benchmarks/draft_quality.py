@@ -1,0 +1,213 @@
+"""Quality and speed of a trained draft on held-out prompts, per Spec-Bench category.
+
+For every held-out Spec-Bench prompt (the split of ``specrl draft``: never trained on):
+
+1. the target's greedy continuation with the engine at k = 0 (timed: the AR baseline);
+2. alpha: the draft's top-1 / top-4 agreement with that continuation (teacher forcing: the
+   continuation *is* the target's argmax at every position);
+3. mean accept length of the engine with the model drafter at chains k = 2 and k = 4;
+4. the engine with the best static (k, w), picked on calibration prompts from the train split,
+   timed side by side with (1): AR and speculative runs alternate per prompt so both see the
+   same machine load. The ratio of wall times is the batch-1 speedup (outputs are identical).
+
+Also reports the draft cost ratio c (one draft step / one target step). The final stdout line
+is one JSON object with at least ``alpha`` and ``speedup_bs1``. ``--card PATH`` merges the
+results into a draft card's ``benchmark`` section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from _common import final_line, machine, table
+
+from specrl.drafttrain.data import DataConfig, prompt_split
+from specrl.drafttrain.shipped import runtime_dtype, shipped_dir
+from specrl.drafttrain.student import CARD, load_draft
+from specrl.engine import Action, SpecEngine
+from specrl.kvcache import RaggedKVCache, prefill
+from specrl.models import ModelPair
+from specrl.prompts import load_prompts
+
+SPEC_BENCH = Path("/work/shared/data/spec_bench/question.jsonl")
+MT_BENCH = Path("/work/shared/data/mt_bench/question.jsonl")
+# per-category sums: top-1 / top-4 hits, positions, accept lengths k=2 / k=4, AR / spec seconds, AR tokens,
+# prompts, spec tokens (equal to AR tokens whenever outputs are identical, i.e. always in float32)
+KEYS = ("a1", "a4", "pos", "acc2", "acc4", "ar_s", "sp_s", "tok", "n", "sp_tok")
+SPEC_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def spec_category(cat: str) -> str:
+    """Spec-Bench reports its 80 MT-Bench rows as one category."""
+    return cat if cat in SPEC_CATEGORIES else "mt_bench"
+
+
+def heldout_selection(held: list, spec_texts: set[str], per_category: int) -> list:
+    """Up to ``per_category`` held-out Spec-Bench prompts per category (MT-Bench: one per sub-category in turn)."""
+    groups: dict[str, dict[str, list]] = {}
+    for p in held:
+        if spec_texts and p.text not in spec_texts:
+            continue  # built-in prompts are held out too, but are not Spec-Bench
+        groups.setdefault(spec_category(p.category), {}).setdefault(p.category, []).append(p)
+    out = []
+    for cat in sorted(groups):
+        subs = list(groups[cat].values())
+        order = [subs[j][i] for i in range(max(map(len, subs))) for j in range(len(subs)) if i < len(subs[j])]
+        out += order[:per_category]
+    return out
+
+
+def run_engine(pair: ModelPair, ids: list[int], n: int, action: Action, drafter: str) -> tuple[list[int], float, float]:
+    """(output, seconds, mean accept length) of one request at batch 1."""
+    eng = SpecEngine(pair, drafter=drafter)
+    t0 = time.perf_counter()
+    (r,) = eng.generate([ids], n, action=action, batch_size=1)
+    return r.output.tolist(), time.perf_counter() - t0, r.accepted / max(1, r.steps)
+
+
+@torch.inference_mode()
+def agreement(draft: torch.nn.Module, prompt: list[int], out: list[int]) -> tuple[float, float, int]:
+    """(top-1 hits, top-4 hits, positions) of the draft on the target's greedy continuation."""
+    x = torch.tensor([prompt + out])
+    logits = draft(x).logits[0, len(prompt) - 1 : len(prompt) + len(out) - 1]  # (G, V)
+    top4 = logits.topk(4, dim=-1).indices
+    y = torch.tensor(out)
+    return float((top4[:, 0] == y).sum()), float((top4 == y[:, None]).any(-1).sum()), len(out)
+
+
+@torch.inference_mode()
+def step_ms(model: torch.nn.Module, n: int = 1, ctx: int = 256, reps: int = 15) -> float:
+    """Median ms of one cached forward of n tokens after ctx tokens (the engine's cache path)."""
+    cache = RaggedKVCache()
+    dev = next(model.parameters()).device
+    prefill(model, cache, [np.arange(ctx) % 1000 + 100], dev)
+    times = []
+    for _ in range(reps):
+        base = cache.T
+        t0 = time.perf_counter()
+        cache.forward(model, torch.full((1, n), 5, device=dev), torch.arange(n, device=dev)[None] + ctx,
+                      torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None], base)
+        times.append(time.perf_counter() - t0)
+        cache.keep(base, torch.tensor([[base]], device=dev), torch.tensor([0], device=dev), 0)
+    return 1000 * float(np.median(times))
+
+
+def load_pair(model: str, dtype: str, draft_dir: Path | None, draft_dtype: str) -> ModelPair:
+    pair = ModelPair.load(model, device="cpu", dtype=dtype)
+    d = draft_dir or shipped_dir(pair.target_name)
+    card = json.loads((d / CARD).read_text())
+    dt = runtime_dtype(pair.target, card) if draft_dtype == "auto" else getattr(torch, draft_dtype)
+    draft = load_draft(d, pair.target, dtype=dt)
+    return ModelPair.from_models(pair.target, draft, tokenizer=pair.tokenizer, target_name=pair.target_name,
+                                 draft_name=str(d))
+
+
+def measure(pair: ModelPair, held: list, calib: list, n: int, grid: list[Action], log) -> dict:
+    """Everything for one dtype; see the module docstring."""
+    enc = [pair.encode_prompt(p.text) for p in held]
+    cal = [pair.encode_prompt(p.text) for p in calib]
+    rates = {}
+    for a in grid:  # calibration: tokens/s of each static action on train-split prompts
+        toks = secs = 0.0
+        for ids in cal:
+            out, dt, _ = run_engine(pair, ids, n, a, "model")
+            toks, secs = toks + len(out), secs + dt
+        rates[a] = toks / secs
+    best = max(rates, key=rates.get)
+    log(table(["k", "w", "tokens/s (calibration)"], [[a.k, a.w, rates[a]] for a in grid]))
+    per: dict[str, dict[str, float]] = {}
+    same = True
+    for p, ids in zip(held, enc):
+        c = per.setdefault(spec_category(p.category), dict.fromkeys(KEYS, 0.0))
+        ref, t_ar, _ = run_engine(pair, ids, n, Action(0, 1), "ngram")  # AR: no draft prefill
+        out, t_sp, _ = run_engine(pair, ids, n, best, "model")
+        same &= out == ref
+        o2, _, l2 = run_engine(pair, ids, n, Action(2, 1), "model")
+        o4, _, l4 = run_engine(pair, ids, n, Action(4, 1), "model")
+        same &= o2 == ref and o4 == ref
+        h1, h4, m = agreement(pair.draft, ids, ref)
+        for k, v in zip(KEYS, (h1, h4, m, l2, l4, t_ar, t_sp, len(ref), 1, len(out))):
+            c[k] += v
+    rows, cats = [], {}
+    for cat in sorted(per):
+        c = per[cat]
+        speedup = (c["sp_tok"] / c["sp_s"]) / (c["tok"] / c["ar_s"])  # tokens/s ratio
+        cats[cat] = {"alpha": c["a1"] / c["pos"], "alpha_top4": c["a4"] / c["pos"], "accept_len_k2": c["acc2"] / c["n"],
+                     "accept_len_k4": c["acc4"] / c["n"], "speedup_bs1": speedup, "prompts": int(c["n"])}
+        rows.append([cat, *[cats[cat][k] for k in ("alpha", "alpha_top4", "accept_len_k2", "accept_len_k4",
+                                                    "speedup_bs1")], int(c["n"])])
+    tot = {k: sum(c[k] for c in per.values()) for k in KEYS}
+    t1, td = step_ms(pair.target), step_ms(pair.draft)
+    res = {
+        "alpha": tot["a1"] / tot["pos"], "alpha_top4": tot["a4"] / tot["pos"],
+        "accept_len_k2": tot["acc2"] / tot["n"], "accept_len_k4": tot["acc4"] / tot["n"],
+        "speedup_bs1": (tot["sp_tok"] / tot["sp_s"]) / (tot["tok"] / tot["ar_s"]), "best_action": [best.k, best.w],
+        "ar_tokens_per_s": tot["tok"] / tot["ar_s"], "spec_tokens_per_s": tot["sp_tok"] / tot["sp_s"],
+        "target_step_ms": t1, "draft_step_ms": td, "draft_cost_ratio": td / t1,
+        "verify_cost_ratio": {f"{m}": step_ms(pair.target, m) / t1 for m in (3, 4, 5)},
+        "outputs_identical": bool(same), "per_category": cats,
+    }
+    log(table(["category", "alpha", "alpha top-4", "accept k=2", "accept k=4", "speedup bs1", "prompts"], rows))
+    log(f"best static action {best}; AR {res['ar_tokens_per_s']:.1f} tok/s, spec {res['spec_tokens_per_s']:.1f} tok/s; "
+        f"draft step {td:.2f} ms / target step {t1:.2f} ms (c = {td / t1:.3f})")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--draft", type=Path, default=None, help="draft directory (default: the shipped draft)")
+    ap.add_argument("--draft-dtype", default="auto", help="auto (the card's choice), float32 or bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="target dtypes to measure, comma-separated")
+    ap.add_argument("--sources", action="append", default=None,
+                    help="prompt sources of the training split (default: builtin + Spec-Bench + MT-Bench)")
+    ap.add_argument("--per-category", type=int, default=3, help="held-out prompts per Spec-Bench category")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--card", type=Path, default=None, help="merge results into this card.json's 'benchmark'")
+    ap.add_argument("--quick", action="store_true", help="1 prompt per category, 48 tokens, float32 only")
+    args = ap.parse_args()
+    if args.quick:
+        args.per_category, args.max_new_tokens, args.dtypes = 1, 48, "float32"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sources = args.sources or ["builtin", str(SPEC_BENCH), str(MT_BENCH)]
+    train, held = prompt_split(DataConfig(sources=tuple(sources)))
+    spec_texts = {p.text for p in load_prompts(str(SPEC_BENCH))} if SPEC_BENCH.exists() else set()
+    held_sel = heldout_selection(held, spec_texts, args.per_category)
+    calib = [p for p in train if not spec_texts or p.text in spec_texts][:: max(1, len(train) // 3)][:3]
+    if args.quick:
+        calib = calib[:2]
+    grid = [Action(k, w) for k, w in ((1, 1), (2, 1), (3, 1), (4, 1), (2, 2))]
+    if args.quick:
+        grid = [Action(2, 1), Action(3, 1), Action(4, 1)]
+    print(f"# draft quality, {machine()}, {len(held_sel)} held-out prompts x {args.max_new_tokens} tokens")
+    results = {}
+    for dt in args.dtypes.split(","):
+        pair = load_pair(args.model, dt, args.draft, args.draft_dtype)
+        print(f"\n## target {dt}, draft {next(pair.draft.parameters()).dtype}\n")
+        results[dt] = measure(pair, held_sel, calib, args.max_new_tokens, grid, print)
+    first = results[args.dtypes.split(",")[0]]
+    out = {"alpha": first["alpha"], "alpha_top4": first["alpha_top4"], "speedup_bs1": first["speedup_bs1"],
+           "accept_len_k2": first["accept_len_k2"], "accept_len_k4": first["accept_len_k4"],
+           "best_action": first["best_action"], "draft_cost_ratio": first["draft_cost_ratio"],
+           "dtype": args.dtypes.split(",")[0], "by_dtype": results, "prompts": len(held_sel),
+           "max_new_tokens": args.max_new_tokens, "machine": machine()}
+    if "bfloat16" in results and args.dtypes.split(",")[0] != "bfloat16":
+        out["speedup_bs1_bf16"] = results["bfloat16"]["speedup_bs1"]
+    if args.card:
+        card = json.loads(args.card.read_text())
+        card["benchmark"] = {"command": "python benchmarks/draft_quality.py" + (" --quick" if args.quick else ""),
+                             **{k: v for k, v in out.items()}}
+        args.card.write_text(json.dumps(card, indent=1) + "\n")
+    print()
+    final_line(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Draft distillation: the pipeline end to end on a tiny random pair, and the shipped draft."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tiny import save_tiny, tiny_llama
+
+from specrl.drafttrain.data import DataConfig, plan_shards
+from specrl.drafttrain.student import ShortlistHead, build_student, load_draft, shortlist_from_counts
+from specrl.drafttrain.train import TrainConfig, distill_loss, lr_at
+from specrl.engine import Action, SpecEngine
+from specrl.errors import ConfigError
+from specrl.models import ModelPair
+
+WORDS = [f"w{i}" for i in range(40)]
+
+
+def _greedy_refs(pair: ModelPair, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Target-alone greedy continuations (cut after the first EOS), the exactness reference."""
+    eos = sorted(pair.eos_token_ids)
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            x = torch.tensor([p])
+            out = pair.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                       eos_token_id=None, pad_token_id=eos[0] if eos else 0)
+            ref = out[0, len(p):].tolist()
+            cut = next((i + 1 for i, t in enumerate(ref) if t in pair.eos_token_ids), len(ref))
+            refs.append(ref[:cut])
+    return refs
+
+
+def test_shortlist_head_full_vocab_logits():
+    target = tiny_llama(vocab=64, dtype=torch.float32)
+    ids = shortlist_from_counts(torch.arange(64.0), 16, always=[0])
+    assert ids.numel() == 16 and 0 in ids.tolist() and 63 in ids.tolist()
+    student = build_student(target, [1], ids)
+    assert isinstance(student.lm_head, ShortlistHead)
+    assert student.get_output_embeddings().weight.shape[0] == 64  # the engine's vocabulary check
+    x = torch.randint(0, 64, (2, 5))
+    logits = student(x).logits  # (2, 5, 64)
+    assert logits.shape == (2, 5, 64)
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[ids] = False
+    assert (logits[..., outside] == torch.finfo(logits.dtype).min).all()
+    assert logits.argmax(-1).unique().tolist() == sorted(set(logits.argmax(-1).flatten().tolist()) & set(ids.tolist()))
+    # the student shares (does not copy) the target's embedding and head
+    assert student.get_input_embeddings().weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
+    assert student.lm_head.weight.data_ptr() == target.get_output_embeddings().weight.data_ptr()
+
+
+def test_student_rejects_bad_layers():
+    target = tiny_llama(vocab=32, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="--layers"):
+        build_student(target, [5])
+
+
+def test_plan_shards_respects_budget():
+    cfg = DataConfig(max_new_tokens=10, batch_size=4, token_budget=100)
+    lengths = [5, 50, 7, 80, 3, 6, 9]
+    shards = plan_shards(lengths, cfg)
+    assert sorted(i for s in shards for i in s) == list(range(len(lengths)))
+    for s in shards:
+        assert len(s) <= 4
+        assert len(s) == 1 or len(s) * max(lengths[i] + 10 for i in s) <= 100
+
+
+def test_distill_loss_prefers_target_argmax():
+    top_i = torch.tensor([[3, 1, 2]])
+    top_v = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    good = torch.tensor([[0.0, 1.0, 0.5, 3.0, 0.0]])
+    bad = torch.tensor([[0.0, 3.0, 0.5, 1.0, 0.0]])
+    lg, sg = distill_loss(good, top_i, top_v, None, 0.2)
+    lb, sb = distill_loss(bad, top_i, top_v, None, 0.2)
+    assert float(lg) < float(lb) and sg["agree"] == 1.0 and sb["agree"] == 0.0
+
+
+def test_lr_schedule_warms_up_and_decays():
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, min_lr_frac=0.1)
+    assert lr_at(0, 100, cfg) == pytest.approx(1e-4)
+    assert lr_at(9, 100, cfg) == pytest.approx(1e-3)
+    assert lr_at(100, 100, cfg) == pytest.approx(1e-4)
+
+
+def test_draft_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
+    """`specrl draft train` on a tiny random pair: data, training, export, resume, exact decoding."""
+    from specrl.cli import main
+
+    monkeypatch.setenv("SPECRL_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = save_tiny(tmp_path / "tiny", WORDS, seed=3)
+    rng = np.random.default_rng(0)
+    prompts = tmp_path / "prompts.jsonl"
+    with prompts.open("w") as f:
+        for i in range(16):
+            text = " ".join(rng.choice(WORDS, size=int(rng.integers(3, 9))))
+            f.write(json.dumps({"turns": [text], "category": ["a", "b"][i % 2], "question_id": i}) + "\n")
+    out = tmp_path / "draft"
+    args = ["draft", "train", "--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "12",
+            "--rounds", "1", "--gen-dtype", "float32", "--layers", "1", "--shortlist", "24", "--topk", "8",
+            "--train-tokens", "300", "--batch-tokens", "128", "--eval-every", "5", "--threads", "1",
+            "--no-progress", "--run", "t", "--export", str(out)]
+    assert main(args) == 0
+    run_dir = tmp_path / "cache" / "drafttrain" / "tiny" / "runs" / "t"
+    data_dir = tmp_path / "cache" / "drafttrain" / "tiny" / "data"
+    assert {p.name for p in data_dir.iterdir()} >= {"manifest.json", "heldout-greedy", "train-greedy", "train-text",
+                                                   "train-t0.7-r1"}
+    curve = [json.loads(line) for line in (run_dir / "curve.jsonl").read_text().splitlines()]
+    assert curve[0]["train_tokens"] == 0 and curve[-1]["train_tokens"] >= 300
+    card = json.loads((out / "card.json").read_text())
+    assert card["arch"]["layers"] == [1] and card["arch"]["shortlist"] == 24
+    assert set(card["heldout"]["per_category"]) == {"a", "b"}
+    assert (out / "draft.safetensors").stat().st_size < 2**20
+
+    # running again resumes: no new data, training already at its budget
+    step = torch.load(run_dir / "ckpt.pt", weights_only=False)["step"]
+    assert main(args) == 0
+    assert torch.load(run_dir / "ckpt.pt", weights_only=False)["step"] == step
+    # other settings for the same run are refused with a fix
+    assert main([*args[:-2], "--lr", "0.1"]) == 2
+
+    # the exported draft plugs into the engine; greedy output equals the target alone
+    pair = ModelPair.load(str(model_dir), device="cpu", dtype="float32")
+    draft = load_draft(out, pair.target)
+    pair = ModelPair.from_models(pair.target, draft, tokenizer=pair.tokenizer, draft_name="trained")
+    ids = [pair.encode_prompt(" ".join(rng.choice(WORDS, size=5))) for _ in range(3)]
+    refs = _greedy_refs(pair, ids, 16)
+    eng = SpecEngine(pair, drafter="model", max_batch_size=2)
+    done = eng.generate(ids, 16, action=lambda _: Action(int(rng.integers(0, 6)), int(rng.integers(1, 3))))
+    assert [r.output.tolist() for r in done] == refs
+
+
+@pytest.mark.slow
+def test_shipped_draft_loads_offline_and_is_exact(default_pair):
+    pair = ModelPair.load("default", draft="default-draft", device="cpu")
+    draft = pair.draft
+    assert type(draft).__name__ == "LlamaForCausalLM"
+    assert draft.get_output_embeddings().weight.shape[0] == 49152
+    ids = [pair.encode_prompt(t) for t in ("What is 12 times 3?", "Write a haiku about the sea.")]
+    refs = _greedy_refs(default_pair, ids, 32)
+    rng = np.random.default_rng(1)
+    eng = SpecEngine(pair, drafter="model", max_batch_size=2)
+    done = eng.generate(ids, 32, action=lambda _: Action(int(rng.integers(0, 6)), int(rng.integers(1, 3))))
+    assert [r.output.tolist() for r in done] == refs
+    assert sum(r.accepted for r in done) > 0  # a trained draft gets tokens accepted
+    # transformers' assisted generation takes it as the assistant model
+    x = torch.tensor([ids[0]])
+    with torch.inference_mode():
+        out = pair.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
+                                   assistant_model=draft, pad_token_id=2, eos_token_id=None)
+    assert out[0, len(ids[0]):].tolist()[: len(refs[0])] == refs[0]
