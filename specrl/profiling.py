@@ -32,7 +32,7 @@ def _time(fn, device: torch.device, reps: int) -> float:
 
 
 @torch.inference_mode()
-def _forward_grid(model, device, batch, tokens, context, reps, vocab, bar) -> np.ndarray:
+def forward_grid(model, device, batch, tokens, context, reps, vocab, bar=None) -> np.ndarray:
     """Median seconds of a forward with B rows of n new tokens over c cached ones, per grid point.
 
     Every point is timed once per pass, passes visit the points in a fresh random order, and the
@@ -69,7 +69,8 @@ def _forward_grid(model, device, batch, tokens, context, reps, vocab, bar) -> np
         for idx in rng.permutation(len(points)):
             p = points[idx]
             samples[p].append(once(*p))
-        bar.update(1)
+        if bar is not None:
+            bar.update(1)
     grid = np.zeros((len(batch), len(tokens), len(context)))
     for (i, j, k), xs in samples.items():
         grid[i, j, k] = statistics.median(xs)
@@ -91,8 +92,8 @@ def profile_costs(
     # progress in timed passes: one per repeat over each forward grid, then three calibrations
     total = reps * (2 if with_draft else 1) + 3
     with tqdm(total=total, desc="profiling", disable=not progress, unit="pass") as bar:
-        verify = _forward_grid(pair.target, dev, batch, tokens, context, reps, vocab, bar)
-        draft = _forward_grid(pair.draft, dev, batch, tokens, context, reps, vocab, bar) if with_draft else None
+        verify = forward_grid(pair.target, dev, batch, tokens, context, reps, vocab, bar)
+        draft = forward_grid(pair.draft, dev, batch, tokens, context, reps, vocab, bar) if with_draft else None
         rng = np.random.default_rng(1)
 
         # n-gram lookups: host time per row on mid-length sequences with repetitions

@@ -5,6 +5,13 @@ loads and arrival seeds in the live env (real decoding, measured time) and in th
 (traces + cost model). Reported per (policy, load): goodput and mean accept length on both
 sides and the relative goodput error; plus whether the static policies rank identically and
 the Spearman rank correlation of all policies. Targets: goodput error <= 5%, same ranking.
+
+Machine speed drifts: on a shared CPU the same forward pass can take 30% longer for minutes at
+a time, while the cost model was profiled at one moment. So around every policy's live runs
+the validator times reference target forwards at cost-model grid points and reports the
+*speed factor* (measured / profiled). Errors are reported raw and after scaling the replay's
+time by that factor ("speed-corrected"): the first is what a user sees, the second isolates
+what the replay itself gets wrong.
 """
 
 from __future__ import annotations
@@ -27,37 +34,67 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+PROBE_BATCH, PROBE_TOKENS = (1, 4), (1, 5)
+
+
+def machine_speed(pair: Any, cost: Any, reps: int = 3) -> float:
+    """Measured / profiled seconds of reference target forwards now (1.0 = as fast as when profiled).
+
+    Median over a few cost-model grid points (batch 1 and 4, 1 and 5 tokens, the smallest
+    profiled context), so one noisy point does not decide it."""
+    from specrl.profiling import forward_grid
+
+    ctx = cost.context[0]
+    meas = forward_grid(pair.target, pair.device, PROBE_BATCH, PROBE_TOKENS, [ctx], reps, pair.vocab_size)
+    ratios = [meas[i, j, 0] / cost.verify_time(b, n, ctx) for i, b in enumerate(PROBE_BATCH)
+              for j, n in enumerate(PROBE_TOKENS)]
+    return float(np.median(ratios))
+
+
 def validate(cfg: Any, policies: list[str], loads: list[Any], seeds: list[int], pair: Any = None,
-             progress: bool = True, live_time: str = "measured") -> dict[str, Any]:
+             progress: bool = True, live_time: str = "measured", probe_speed: bool | None = None) -> dict[str, Any]:
     """``live_time='profiled'`` charges the live env with the cost model too (a plumbing check:
-    then the two sides must agree exactly)."""
+    then the two sides must agree exactly). ``probe_speed`` (default: when time is measured)
+    times reference forwards before and after each policy's live runs (see the module doc)."""
     from tqdm import tqdm
 
     from specrl.envs.config import load_cost_model
+    from specrl.envs.live import shared_pair
     from specrl.evaluate import aggregate, run_live, run_replay
     from specrl.policies import PolicyContext, make_policy
 
-    ctx = PolicyContext(cfg.k_choices, cfg.w_choices, load_cost_model(cfg), cfg.drafter)
+    cost = load_cost_model(cfg)
+    ctx = PolicyContext(cfg.k_choices, cfg.w_choices, cost, cfg.drafter)
     live_cfg = replace(cfg, backend="live", time_source=live_time)
     rep_cfg = replace(cfg, backend="replay")
-    live_eps, rep_eps = [], []
+    if probe_speed is None:
+        probe_speed = live_time == "measured"
+    if probe_speed and pair is None:
+        pair = shared_pair(live_cfg)
+    live_eps, rep_eps, speed = [], [], {}
     for spec in tqdm(policies, desc="live vs replay", disable=not progress):
         def make(spec: str = spec) -> Any:
             return make_policy(spec, ctx)
 
+        before = machine_speed(pair, cost) if probe_speed else 1.0
         live_eps += run_live(live_cfg, spec, loads, seeds, make, pair=pair)
+        after = machine_speed(pair, cost) if probe_speed else 1.0
         rep_eps += run_replay(rep_cfg, spec, loads, seeds, make)
+        speed[make().name] = (before + after) / 2
     live, rep = aggregate(live_eps), aggregate(rep_eps)
     names = list(dict.fromkeys(e.policy for e in live_eps))
-    rows, errs = [], []
+    rows, errs, cerrs = [], [], []
     for ld in loads:
         lab = ld.label
         for p in names:
             gl, gr = live[p][lab]["goodput"][0], rep[p][lab]["goodput"][0]
             al, ar_ = live[p][lab]["accept_len"][0], rep[p][lab]["accept_len"][0]
-            err = abs(gr - gl) / gl
+            sp = speed.get(p, 1.0)
+            err, cerr = abs(gr - gl) / gl, abs(gr / sp - gl) / gl
             errs.append(err)
+            cerrs.append(cerr)
             rows.append({"load": lab, "policy": p, "live_goodput": gl, "replay_goodput": gr, "rel_error": err,
+                         "speed_factor": sp, "corrected_rel_error": cerr,
                          "live_accept_len": al, "replay_accept_len": ar_})
     same, rho = True, []
     for ld in loads:
@@ -68,15 +105,20 @@ def validate(cfg: Any, policies: list[str], loads: list[Any], seeds: list[int], 
         same &= order_l == order_r
         rho.append(spearman([live[p][lab]["goodput"][0] for p in names], [rep[p][lab]["goodput"][0] for p in names]))
     return {"max_goodput_rel_error": float(max(errs)), "mean_goodput_rel_error": float(np.mean(errs)),
+            "max_corrected_rel_error": float(max(cerrs)), "mean_corrected_rel_error": float(np.mean(cerrs)),
+            "mean_accept_len_abs_error": float(np.mean([abs(r["live_accept_len"] - r["replay_accept_len"])
+                                                        for r in rows])),
             "same_static_ranking": bool(same), "spearman": float(np.mean(rho)), "rows": rows}
 
 
 def table(res: dict[str, Any]) -> str:
-    head = "| load | policy | live goodput | replay goodput | error | live accept len | replay accept len |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = ("| load | policy | live goodput | replay goodput | error | speed factor | speed-corrected error "
+            "| live accept len | replay accept len |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['load']} | {r['policy']} | {r['live_goodput']:.1f} | {r['replay_goodput']:.1f} | "
-                     f"{100 * r['rel_error']:.1f}% | {r['live_accept_len']:.2f} | {r['replay_accept_len']:.2f} |")
+                     f"{100 * r['rel_error']:.1f}% | {r['speed_factor']:.2f} | {100 * r['corrected_rel_error']:.1f}% | "
+                     f"{r['live_accept_len']:.2f} | {r['replay_accept_len']:.2f} |")
     return "\n".join(lines)
 
 
@@ -102,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
     ensure_traces(replace(cfg, backend="replay"))
     res = validate(cfg, _split_policies(args.policies), parse_loads(args.loads), list(range(args.seeds)))
     print(table(res))
-    print(f"\nmax goodput error {100 * res['max_goodput_rel_error']:.1f}% (mean {100 * res['mean_goodput_rel_error']:.1f}%), "
-          f"static ranking identical: {res['same_static_ranking']}, Spearman {res['spearman']:.2f}")
+    print(f"\nmax goodput error {100 * res['max_goodput_rel_error']:.1f}% (mean {100 * res['mean_goodput_rel_error']:.1f}%); "
+          f"speed-corrected max {100 * res['max_corrected_rel_error']:.1f}% (mean "
+          f"{100 * res['mean_corrected_rel_error']:.1f}%); accept length mean abs error "
+          f"{res['mean_accept_len_abs_error']:.3f}; static ranking identical: {res['same_static_ranking']}, "
+          f"Spearman {res['spearman']:.2f}")
     if args.json:
         print(json.dumps(res))
     return 0

@@ -221,3 +221,33 @@ def test_validate_replay_agrees_exactly_when_both_sides_use_the_cost_model(tiny_
     assert res["max_goodput_rel_error"] < 1e-9 and res["same_static_ranking"] and res["spearman"] > 0.99
     assert all(abs(r["live_accept_len"] - r["replay_accept_len"]) < 1e-9 for r in res["rows"])
     assert "| closed:1 | static:2,1 |" in table(res)
+
+
+def test_machine_speed_is_measured_over_profiled_time(monkeypatch):
+    import specrl.profiling
+    from specrl.costs import CostModel
+    from specrl.validate import machine_speed
+
+    grid = np.full((2, 2, 1), 0.010)  # the cost model says 10 ms everywhere
+    cost = CostModel([1, 4], [1, 5], [128], grid.tolist())
+    measured = np.array([[[0.020], [0.030]], [[0.020], [0.500]]])  # one outlier point
+    monkeypatch.setattr(specrl.profiling, "forward_grid", lambda *a, **k: measured)
+    assert machine_speed(object.__new__(type("P", (), {"target": None, "device": None, "vocab_size": 8})), cost) \
+        == pytest.approx(2.5)  # median of 2, 3, 2, 50
+
+
+def test_validate_speed_correction_scales_replay_time(tiny_traces, tiny_pair_dirs, isolated_cache, monkeypatch):
+    import specrl.validate as v
+    from specrl.envs.config import load_env_config
+    from specrl.evaluate import parse_loads
+
+    pair, prompts, tr = tiny_traces
+    cfg = load_env_config(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], prompts=_write(prompts, isolated_cache),
+                                     horizon_s=3.0))
+    monkeypatch.setattr(v, "machine_speed", lambda pair, cost: 2.0)  # the machine runs at half speed
+    res = v.validate(cfg, ["ar", "static:2,1"], parse_loads(["closed:2"]), [0], pair=pair, progress=False,
+                     live_time="profiled", probe_speed=True)
+    # both sides use the cost model, so raw agreement is exact and the correction halves replay goodput
+    assert res["max_goodput_rel_error"] < 1e-9
+    assert res["max_corrected_rel_error"] == pytest.approx(0.5)
+    assert all(r["speed_factor"] == 2.0 for r in res["rows"])
