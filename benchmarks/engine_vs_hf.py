@@ -60,6 +60,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer prompts and settings (smoke run)")
+    ap.add_argument("--setting", default=None, metavar="K,W",
+                    help="engine n-gram setting to use instead of calibrating (e.g. a previous run's best)")
+    ap.add_argument("--lookup", type=int, default=None,
+                    help="prompt_lookup_num_tokens to use instead of calibrating")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.max_new_tokens, args.repeats = 3, 32, 1
@@ -75,6 +79,10 @@ def main() -> None:
     if args.quick:
         grid = {k: v for k, v in grid.items() if k in ("k=4,w=1", "k=4,w=2")}
         lookup = {"prompt_lookup_num_tokens=4": 4}
+    if args.setting:
+        grid = {f"k={args.setting}": Action(*(int(x) for x in args.setting.split(",")))}
+    if args.lookup:
+        lookup = {f"prompt_lookup_num_tokens={args.lookup}": args.lookup}
     best_act, calib_rows = best_of("engine ngram", grid, lambda c, m, a: engine_generate(pair, c, m, a, "ngram"),
                                    calib, n)
     best_pl, rows2 = best_of("transformers lookup", lookup,

@@ -3,10 +3,11 @@
 transformers' SDPA integration handles a grouped-query model (SmolLM2: 9 query heads share 3
 KV heads) with an explicit mask and more than one query token by *repeating* K and V per
 query head (``repeat_kv``): at batch 16 and 768 cached tokens that copy made a 2-token verify
-pass 5x slower than a 1-token step (845 vs 164 ms). Tree verification always has a mask and
-several query tokens, so specrl registers ``specrl_sdpa``: on CPU it asks PyTorch's SDPA to
-broadcast the KV heads itself (``enable_gqa=True``, no copy); elsewhere (CUDA kernels prefer
-unmasked GQA) it defers to transformers' own SDPA function.
+pass 5x slower than a 1-token step (845 vs 164 ms). The engine's ragged cache always passes a
+mask (rows have holes and different lengths), even for one query token, so specrl registers
+``specrl_sdpa``: on CPU it asks PyTorch's SDPA to broadcast the KV heads itself
+(``enable_gqa=True``, no copy; a plain k = 0 step at batch 1 went from ~58 to ~47 ms);
+elsewhere (CUDA kernels prefer unmasked GQA) it defers to transformers' own SDPA function.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    if query.device.type == "cpu" and groups > 1 and attention_mask is not None and query.shape[2] > 1:
+    if query.device.type == "cpu" and groups > 1 and attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]  # boolean or additive, as transformers
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
                                              scale=scaling, enable_gqa=True)  # (B, H, n, D)
