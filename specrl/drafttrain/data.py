@@ -199,13 +199,7 @@ def generate_batch(
         prompt_len.append(len(p))
         top_v.append(vals[b, :n])
         top_i.append(idx[b, :n])
-    return {
-        "tokens": torch.tensor(tokens, dtype=torch.int32),
-        "seq_len": torch.tensor(seq_len, dtype=torch.int32),
-        "prompt_len": torch.tensor(prompt_len, dtype=torch.int32),
-        "top_v": torch.cat(top_v),
-        "top_i": torch.cat(top_i),
-    }
+    return _pack(tokens, seq_len, prompt_len, top_v, top_i)
 
 
 @torch.inference_mode()
@@ -235,6 +229,12 @@ def score_batch(model: torch.nn.Module, seqs: Sequence[Sequence[int]], topk: int
         tokens += list(q)
         seq_len.append(len(q))
         prompt_len.append(1)
+    return _pack(tokens, seq_len, prompt_len, top_v, top_i)
+
+
+def _pack(tokens: list[int], seq_len: list[int], prompt_len: list[int],
+          top_v: list[torch.Tensor], top_i: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One shard's flat layout: sequences back to back, labels for every non-first token."""
     return {
         "tokens": torch.tensor(tokens, dtype=torch.int32),
         "seq_len": torch.tensor(seq_len, dtype=torch.int32),
