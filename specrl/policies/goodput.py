@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from specrl.costs import MAX_LEVELS
 from specrl.errors import ConfigError
 from specrl.features import ACCEPT_DEPTHS, INDEX
 from specrl.policies.base import BasePolicy, PolicyContext
@@ -58,24 +59,62 @@ class GoodputArgmax(BasePolicy):
                               "PolicyContext, or evaluate on an env that has one.")
         self.actions = self.table.all()
         self.probe_every = probe_every
+        self._precompute()
         self.reset()
+
+    def _precompute(self) -> None:
+        """Per-action tree data for a vectorised ``scores`` (the rule runs every step of every
+        evaluation and of behaviour-cloning rollouts: ~40 us instead of ~2 ms per decision)."""
+        prior = np.asarray(RANK_PRIOR, float)
+        n_act = len(self.actions)
+        self._levels = np.zeros((n_act, MAX_LEVELS))
+        self._tokens = np.ones(n_act)
+        self._drafted = np.array([k > 0 for k, _ in self.actions])
+        depth, ratio, ranked, owner, blocks = [], [], [], [], []
+        for j, (k, w) in enumerate(self.actions):
+            if k == 0:
+                continue
+            shape = tree_shape(k, w)
+            lv = [int((shape.depth == d).sum()) for d in range(1, k + 1)]
+            self._levels[j, : len(lv)] = lv
+            self._tokens[j] = shape.num_nodes + 1
+            d, r = shape.depth[1:], shape.rank[1:]
+            depth.append(np.minimum(d, ACCEPT_DEPTHS) - 1)
+            ratio.append(prior[np.minimum(r, len(prior) - 1)] / prior[0])
+            ranked.append(r > 0)
+            owner.append(np.full(len(d), j))
+            blocks.append(shape.ancestors[1:, 1:].astype(float))  # (n, n): j on the path to i (root excluded)
+        self._depth = np.concatenate(depth) if depth else np.zeros(0, int)
+        self._ratio = np.concatenate(ratio) if ratio else np.zeros(0)
+        self._ranked = np.concatenate(ranked) if ranked else np.zeros(0, bool)
+        self._owner = np.concatenate(owner) if owner else np.zeros(0, int)
+        n = len(self._depth)
+        self._paths = np.zeros((n, n))  # block-diagonal over actions
+        o = 0
+        for b in blocks:
+            self._paths[o : o + len(b), o : o + len(b)] = b
+            o += len(b)
 
     def reset(self) -> None:
         self.zeros = 0
 
     def scores(self, features: np.ndarray) -> np.ndarray:
+        """(A,) expected goodput (tokens/s) of every action of the table."""
         alpha = features[INDEX["accept_d1"] : INDEX["accept_d1"] + ACCEPT_DEPTHS].astype(float)
         batch = max(1, int(round(float(features[INDEX["batch_size"]]))))
         ctx = float(features[INDEX["mean_context"]])
         coverage = float(features[INDEX["draft_top1"]]) if self.ctx.drafter == "ngram" else 1.0
-        out = np.zeros(len(self.actions))
-        for j, (k, w) in enumerate(self.actions):
-            tokens = 1.0 + coverage * expected_accepted(k, w, alpha)
-            shape = tree_shape(k, w)
-            levels = [int((shape.depth == d).sum()) for d in range(1, k + 1)]
-            t = self.ctx.cost_model.step_time(self.ctx.drafter, k, batch, shape.num_nodes + 1, levels, ctx)
-            out[j] = batch * tokens / t
-        return out
+        # expected_accepted for every action at once: node acceptance q, path products via logs
+        a = alpha[self._depth]  # (nodes,)
+        q = a * self._ratio
+        q = np.where(self._ranked, np.minimum(q, np.maximum(0.0, 1.0 - a)), q)
+        prob = np.exp(self._paths @ np.log(np.maximum(q, 1e-300)))  # (nodes,)
+        accepted = np.bincount(self._owner, prob, minlength=len(self.actions))  # (A,)
+        n_act = len(self.actions)
+        t = self.ctx.cost_model.step_time_batch(
+            self.ctx.drafter, self._drafted, np.full(n_act, batch), self._tokens, self._levels,
+            np.full(n_act, ctx), np.zeros(n_act), np.zeros(n_act))  # (A,)
+        return batch * (1.0 + coverage * accepted) / t
 
     def decide(self, features: np.ndarray) -> tuple[int, int]:
         k, w = self.actions[int(np.argmax(self.scores(features)))]
