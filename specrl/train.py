@@ -52,6 +52,13 @@ class AgentConfig:
     """Arrival seeds per load point in the evaluations."""
     eval_horizon_s: float = 30.0
     """Simulated seconds per evaluation episode."""
+    pretrain: str | None = None
+    """Behaviour-clone this baseline rule (e.g. ``goodput``) into the policy before RL (null = off);
+    see ``specrl.pretrain``. PPO and A2C without frame stacking."""
+    pretrain_steps: int = 64_000
+    """Env steps of the rule's rollouts used as demonstrations."""
+    pretrain_epochs: int = 30
+    """Passes of supervised fitting over the demonstrations."""
     hyperparams: dict[str, Any] = field(default_factory=dict)
     """Passed as keyword arguments to the Stable-Baselines3 algorithm."""
 
@@ -60,6 +67,9 @@ class AgentConfig:
             raise unknown_name("algo", self.algo, ALGOS)
         if self.n_envs < 1 or self.total_timesteps < 1 or self.frame_stack < 1:
             raise ConfigError("n_envs, total_timesteps and frame_stack must be >= 1.")
+        if self.pretrain and (self.algo == "dqn" or self.frame_stack > 1):
+            raise ConfigError(f"pretrain={self.pretrain!r} works with algo ppo or a2c and frame_stack 1 (got algo="
+                              f"{self.algo!r}, frame_stack={self.frame_stack}). Fix: set pretrain: null or change those.")
 
 
 def load_agent_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> AgentConfig:
@@ -409,6 +419,7 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
         model = build_model(agent, vec, seed, run_dir)
         done = 0
     model.set_logger(_logger(run_dir, tracker))
+    warm = warm_start(model, vec, env_cfg, agent, seed, progress) if agent.pretrain and ck is None else None
     callback = make_callbacks(run_dir, env_cfg, agent, tracker, None)
     t0 = time.perf_counter()
     remaining = max(0, agent.total_timesteps - done)
@@ -421,6 +432,8 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
     save_checkpoint(run_dir, model, env_cfg, agent, model.num_timesteps)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "steps": int(model.num_timesteps), "train_seconds": train_s,
                                "steps_per_s": remaining / max(train_s, 1e-9)}
+    if warm is not None:
+        summary["pretrain"] = warm
     if final_eval:
         from specrl.evaluate import markdown_table
         from specrl.policies import BASELINES
@@ -437,6 +450,33 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
     if tracker is not None:
         tracker.finish()
     return summary
+
+
+def warm_start(model: Any, vec: Any, env_cfg: Any, agent: AgentConfig, seed: int, progress: bool) -> dict[str, Any]:
+    """Behaviour-clone ``agent.pretrain`` into ``model`` (see ``specrl.pretrain``); returns what it measured."""
+    from specrl import pretrain
+
+    t0 = time.perf_counter()
+    if progress:
+        print(f"pretrain: cloning {agent.pretrain!r} from {agent.pretrain_steps} replay steps ...", flush=True)
+    demos = pretrain.collect(env_cfg, agent.pretrain, agent.n_envs, agent.pretrain_steps, seed + 10_000)
+    norm = _normalizer(vec)
+    if agent.normalize_obs:  # the clone and the RL phase see the same normalisation
+        norm.obs_rms.mean = demos.obs.mean(axis=0).astype(np.float64)
+        norm.obs_rms.var = demos.obs.var(axis=0).astype(np.float64)
+        norm.obs_rms.count = float(len(demos.obs))
+    x = norm.normalize_obs(demos.obs)
+    losses = pretrain.clone(model, x, demos.actions, agent.pretrain_epochs, seed=seed)
+    out = {"rule": agent.pretrain, "demo_steps": int(len(demos.obs)), "demo_goodput": demos.goodput,
+           "loss_first": losses[0], "loss_last": losses[-1], "agreement": pretrain.agreement(model, x, demos.actions),
+           "seconds": time.perf_counter() - t0}
+    for key in ("loss_last", "agreement", "demo_goodput"):
+        model.logger.record(f"pretrain/{key}", out[key])
+    model.logger.dump(0)
+    if progress:
+        print(f"pretrain: agreement with {agent.pretrain!r} {out['agreement']:.1%}, loss {losses[0]:.3f} -> "
+              f"{losses[-1]:.3f}, {out['seconds']:.0f} s", flush=True)
+    return out
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

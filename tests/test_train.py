@@ -13,7 +13,8 @@ from specrl.errors import ConfigError
 from specrl.train import load_agent_config, train
 
 TINY = ["agent.total_timesteps=256", "agent.n_envs=4", "agent.eval_every=0", "agent.checkpoint_every=128",
-        "agent.eval_seeds=1", "agent.eval_loads=[closed:1]", "agent.eval_horizon_s=2.0"]
+        "agent.eval_seeds=1", "agent.eval_loads=[closed:1]", "agent.eval_horizon_s=2.0",
+        "agent.pretrain_steps=128", "agent.pretrain_epochs=2"]
 SMALL_BATCH = {"ppo": ["agent.hyperparams.n_steps=32", "agent.hyperparams.batch_size=64"],
                "ppo-framestack": ["agent.hyperparams.n_steps=32", "agent.hyperparams.batch_size=64"],
                "a2c": [], "dqn": ["agent.hyperparams.learning_starts=32", "agent.hyperparams.buffer_size=1000"]}
@@ -106,3 +107,50 @@ def test_cli_train_smoke(tiny_env, tmp_path):
     out = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "overall goodput" in out.stdout and (tmp_path / "cli" / "eval" / "goodput_vs_load.png").exists()
+
+
+def test_pretrain_clones_the_rule_before_rl(tiny_env, tmp_path):
+    """Behaviour cloning of a rule: a clone of ``static:2,2`` must pick (2, 2) deterministically, and
+    the warm start is reported in the summary."""
+    import numpy as np
+
+    from specrl.envs.config import load_env_config
+    from specrl.pretrain import agreement, clone, collect
+    from specrl.train import build_model, make_vec_env, prepare
+
+    cfg = load_env_config(tiny_env)
+    prepare(cfg, progress=False)  # records the tiny traces on first use
+    demos = collect(cfg, "static:2,2", n_envs=4, steps=400, seed=0)
+    assert demos.obs.shape == (400, 20) and demos.goodput > 0
+    want = (cfg.k_choices.index(2), cfg.w_choices.index(2))
+    assert (demos.actions == want).all()
+    agent = load_agent_config("agents/ppo.yaml", {"n_envs": 4})
+    vec = make_vec_env(cfg, agent, 0)
+    model = build_model(agent, vec, 0, tmp_path)
+    x = (demos.obs - demos.obs.mean(0)) / (demos.obs.std(0) + 1e-8)
+    before = agreement(model, x, demos.actions)
+    losses = clone(model, x, demos.actions, epochs=150)
+    assert losses[-1] < losses[0] / 4
+    assert agreement(model, x, demos.actions) == 1.0 > before
+    summary = train(tiny_env, "agents/ppo.yaml", TINY + SMALL_BATCH["ppo"] + [
+        "agent.pretrain=static:2,2", "agent.pretrain_steps=200", "agent.pretrain_epochs=5"],
+        run_dir=tmp_path / "bc", progress=False, final_eval=False)
+    assert summary["pretrain"]["rule"] == "static:2,2" and summary["pretrain"]["demo_steps"] == 200
+    assert np.isfinite(summary["pretrain"]["loss_last"])
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"pretrain": "goodput", "algo": "dqn"}, "works with algo ppo or a2c"),
+    ({"pretrain": "goodput", "frame_stack": 4}, "frame_stack 1"),
+])
+def test_pretrain_refuses_what_it_cannot_clone_into(over, match):
+    with pytest.raises(ConfigError, match=match):
+        load_agent_config("agents/ppo.yaml", over)
+
+
+def test_pretrain_refuses_the_oracle(tiny_env):
+    from specrl.envs.config import load_env_config
+    from specrl.pretrain import collect
+
+    with pytest.raises(ConfigError, match="cannot be cloned"):
+        collect(load_env_config(tiny_env), "oracle", 2, 10, 0)
