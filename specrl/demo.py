@@ -2,8 +2,8 @@
 
 1. prepare the replay env: record traces of the built-in prompts and profile the cost model
    (both cached: later runs skip them);
-2. train the default agent (PPO, ``agents/ppo.yaml``) on the vectorised replay env with the
-   training prompts;
+2. train the default agent (PPO, ``agents/ppo.yaml``: a behaviour clone of the ``goodput``
+   rule first, then RL) on the vectorised replay env with the training prompts;
 3. evaluate it beside every baseline and the oracle on the held-out prompts over a load sweep
    (3 arrival seeds), writing the table and plots;
 4. export it to a runtime controller, and let the controller drive the real engine on two
