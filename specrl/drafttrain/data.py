@@ -244,11 +244,12 @@ def _pack(tokens: list[int], seq_len: list[int], prompt_len: list[int],
     }
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` via a temporary file and a rename: a killed run never leaves a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save(obj, tmp)
-    os.replace(tmp, path)  # a killed run never leaves a half-written shard behind
+    os.replace(tmp, path)
 
 
 def check_manifest(data_dir: Path, cfg: DataConfig, target_name: str) -> None:
@@ -312,7 +313,7 @@ def build_data(
             out["qid"] = [plist[i].qid for i in rows]
             out["stage"] = stage.name
             out["format"] = SHARD_FORMAT
-            _atomic_save(out, _shard_path(data_dir, stage, s))
+            atomic_save(out, _shard_path(data_dir, stage, s))
             done_tokens[stage.name] = done_tokens.get(stage.name, 0) + int(out["top_i"].shape[0])
             bar.update(1)
             bar.set_postfix(tokens=sum(done_tokens.values()))

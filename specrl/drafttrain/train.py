@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specrl.drafttrain.data import Sequence_, load_sequences, shard_files
+from specrl.drafttrain.data import Sequence_, atomic_save, load_sequences, shard_files
 from specrl.drafttrain.student import ShortlistHead, build_student, own_state, shortlist_from_counts
 from specrl.errors import ConfigError
 
@@ -207,12 +206,6 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 class Trainer:
     """Owns the student, the optimizer and the run directory; ``run()`` trains until the budget."""
 
@@ -286,7 +279,7 @@ class Trainer:
     def save(self) -> None:
         self.state["student"] = own_state(self.student)
         self.state["opt"] = self.opt.state_dict()
-        _atomic_save(self.state, self.run_dir / "ckpt.pt")
+        atomic_save(self.state, self.run_dir / "ckpt.pt")
 
     def eval_point(self, final: bool = False) -> dict[str, Any]:
         self.student.eval()
