@@ -322,7 +322,7 @@ class SpecEngine:
             num_matches=conf[:, 3],
             context_len=context,
             tree_tokens=n,
-            level_sizes=tuple(int((vshape.depth == d).sum()) for d in range(1, vshape.max_depth + 1)),
+            level_sizes=vshape.level_sizes,
             prefill_rows=len(joined),
             prefill_len=max((len(r.prompt) for r in joined), default=0),
             finished=[r.rid for r in finished],

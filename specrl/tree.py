@@ -62,6 +62,11 @@ class TreeShape:
     def max_children(self) -> int:
         return max((len(c) for c in self.children), default=0)
 
+    @property
+    def level_sizes(self) -> tuple[int, ...]:
+        """Nodes per depth 1..max_depth (what a draft model forwards level by level)."""
+        return tuple(int(n) for n in np.bincount(self.depth, minlength=self.max_depth + 1)[1:])
+
     def level(self, d: int) -> np.ndarray:
         """Node indices at depth d (contiguous by construction)."""
         return np.nonzero(self.depth == d)[0]

@@ -101,6 +101,24 @@ def test_expected_accepted_matches_hand_computation():
     assert expected_accepted(4, 2, alpha) > expected_accepted(4, 1, alpha)
 
 
+def test_path_tables_batch_equals_one_tree_at_a_time():
+    """The goodput rule scores every action through one block-diagonal PathTables: each block
+    must give what its tree gives alone (a wrong block offset would mix trees)."""
+    from specrl.policies.goodput import PathTables
+    from specrl.tree import tree_shape
+
+    actions = [(0, 1), (1, 1), (3, 2), (8, 4), (2, 3), (0, 1), (6, 1)]
+    alpha = np.array([0.9, 0.7, 0.6, 0.0, 0.5, 0.4, 0.3, 0.2])
+    batch = PathTables([tree_shape(k, w) if k else None for k, w in actions]).expected_accepted(alpha)
+    alone = [expected_accepted(k, w, alpha) for k, w in actions]
+    assert batch == pytest.approx(alone, abs=1e-12)
+    assert batch[0] == batch[5] == 0.0 and batch[1] == pytest.approx(0.9)
+    # depth 4 has acceptance 0 (siblings included), so nothing at depth >= 4 counts
+    deeper = alpha.copy()
+    deeper[4:] = 1.0
+    assert expected_accepted(8, 4, deeper) == pytest.approx(batch[3], abs=1e-12)
+
+
 def test_goodput_picks_ar_at_low_acceptance_and_speculates_at_high():
     p = make_policy("goodput", CTX)
     low = feats(batch_size=1, mean_context=200, **{f"accept_d{d}": 0.0 for d in range(1, 9)})

@@ -19,6 +19,9 @@ def test_shape_family_sizes_and_closure(k, w):
     # breadth-first numbering: parents precede children, depths non-decreasing
     assert (s.parent[1:] < np.arange(1, len(s.paths))).all()
     assert (np.diff(s.depth) >= 0).all()
+    # nodes per depth: one entry per depth 1..k, each at least the chain node, summing to k * w
+    assert len(s.level_sizes) == k and sum(s.level_sizes) == k * w
+    assert all(n == len(s.level(d)) >= 1 for d, n in enumerate(s.level_sizes, start=1))
 
 
 def test_chain_is_width_one():
