@@ -77,10 +77,11 @@ def validate(cfg: Any, policies: list[str], loads: list[Any], seeds: list[int], 
             return make_policy(spec, ctx)
 
         before = machine_speed(pair, cost) if probe_speed else 1.0
-        live_eps += run_live(live_cfg, spec, loads, seeds, make, pair=pair)
+        eps = run_live(live_cfg, spec, loads, seeds, make, pair=pair)
         after = machine_speed(pair, cost) if probe_speed else 1.0
+        live_eps += eps
         rep_eps += run_replay(rep_cfg, spec, loads, seeds, make)
-        speed[make().name] = (before + after) / 2
+        speed.update({e.policy: (before + after) / 2 for e in eps})
     live, rep = aggregate(live_eps), aggregate(rep_eps)
     names = list(dict.fromkeys(e.policy for e in live_eps))
     rows, errs, cerrs = [], [], []
