@@ -36,9 +36,10 @@ def collect(env_cfg: Any, rule: str, n_envs: int, steps: int, seed: int) -> Demo
     from specrl.envs.vector import SpecReplayVecEnv
     from specrl.policies import ActionTable, PolicyContext, make_policy
 
-    if rule == "oracle" or rule.startswith("controller"):
-        raise ConfigError(f"pretrain: {rule!r} cannot be cloned here. Allowed: a baseline rule that decides from "
-                          "the features alone (goodput, sglang-ema, hf-heuristic, static:K,W, ...).")
+    if rule == "oracle":
+        raise ConfigError(f"pretrain: {rule!r} cannot be cloned: it decides from the replay's future outcomes, not "
+                          "the features. Allowed: a rule that decides from the features (goodput, sglang-ema, "
+                          "hf-heuristic, static:K,W, controller:DIR, ...).")
     ctx = PolicyContext(env_cfg.k_choices, env_cfg.w_choices, load_cost_model(env_cfg), env_cfg.drafter)
     table = ActionTable(env_cfg.k_choices, env_cfg.w_choices)
     pols = [make_policy(rule, ctx) for _ in range(n_envs)]

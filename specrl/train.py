@@ -120,7 +120,7 @@ def make_vec_env(env_cfg: Any, agent: AgentConfig, seed: int, stats: dict[str, n
     vec = VecNormalize(vec, norm_obs=agent.normalize_obs, norm_reward=agent.normalize_reward, gamma=float(
         agent.hyperparams.get("gamma", 0.99)), clip_obs=10.0)
     if stats is not None:
-        vec.obs_rms.mean, vec.obs_rms.var, vec.obs_rms.count = stats["mean"], stats["var"], float(stats["count"])
+        set_obs_stats(vec, stats)
     if agent.frame_stack > 1:
         vec = VecFrameStack(vec, agent.frame_stack)
     return vec
@@ -147,6 +147,14 @@ def obs_stats(vec: Any) -> dict[str, np.ndarray]:
     rms = _normalizer(vec).obs_rms
     return {"mean": np.asarray(rms.mean, np.float64), "var": np.asarray(rms.var, np.float64),
             "count": np.asarray(rms.count, np.float64)}
+
+
+def set_obs_stats(vec: Any, stats: dict[str, np.ndarray]) -> None:
+    """The inverse of :func:`obs_stats`: load normalisation statistics into ``vec``'s VecNormalize."""
+    rms = _normalizer(vec).obs_rms
+    rms.mean = np.asarray(stats["mean"], np.float64)
+    rms.var = np.asarray(stats["var"], np.float64)
+    rms.count = float(stats["count"])
 
 
 def save_stats(stats: dict[str, np.ndarray], path: Path) -> None:
@@ -460,12 +468,9 @@ def warm_start(model: Any, vec: Any, env_cfg: Any, agent: AgentConfig, seed: int
     if progress:
         print(f"pretrain: cloning {agent.pretrain!r} from {agent.pretrain_steps} replay steps ...", flush=True)
     demos = pretrain.collect(env_cfg, agent.pretrain, agent.n_envs, agent.pretrain_steps, seed + 10_000)
-    norm = _normalizer(vec)
     if agent.normalize_obs:  # the clone and the RL phase see the same normalisation
-        norm.obs_rms.mean = demos.obs.mean(axis=0).astype(np.float64)
-        norm.obs_rms.var = demos.obs.var(axis=0).astype(np.float64)
-        norm.obs_rms.count = float(len(demos.obs))
-    x = norm.normalize_obs(demos.obs)
+        set_obs_stats(vec, {"mean": demos.obs.mean(axis=0), "var": demos.obs.var(axis=0), "count": len(demos.obs)})
+    x = _normalizer(vec).normalize_obs(demos.obs)
     losses = pretrain.clone(model, x, demos.actions, agent.pretrain_epochs, seed=seed)
     out = {"rule": agent.pretrain, "demo_steps": int(len(demos.obs)), "demo_goodput": demos.goodput,
            "loss_first": losses[0], "loss_last": losses[-1], "agreement": pretrain.agreement(model, x, demos.actions),
