@@ -20,6 +20,7 @@ from _common import final_line, machine, mixed_prompts, table, timed
 
 from specrl.engine import Action, SpecEngine
 from specrl.models import ModelPair
+from specrl.tree import parse_action
 
 
 def hf_generate(pair: ModelPair, ids: list[list[int]], n: int, **kw) -> list[list[int]]:
@@ -80,7 +81,7 @@ def main() -> None:
         grid = {k: v for k, v in grid.items() if k in ("k=4,w=1", "k=4,w=2")}
         lookup = {"prompt_lookup_num_tokens=4": 4}
     if args.setting:
-        grid = {f"k={args.setting}": Action(*(int(x) for x in args.setting.split(",")))}
+        grid = {f"k={args.setting}": Action(*parse_action(args.setting, prefix="--setting "))}
     if args.lookup:
         lookup = {f"prompt_lookup_num_tokens={args.lookup}": args.lookup}
     best_act, calib_rows = best_of("engine ngram", grid, lambda c, m, a: engine_generate(pair, c, m, a, "ngram"),

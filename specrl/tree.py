@@ -116,6 +116,21 @@ def check_action(k: int, w: int) -> None:
         raise ConfigError(f"Tree width w={w!r} is out of range. Allowed: integers 1..{MAX_W} (1 = chain).")
 
 
+def parse_action(text: str, prefix: str = "") -> tuple[int, int]:
+    """``"K"`` or ``"K,W"`` -> validated (k, w) (w defaults to 1). ``prefix`` is how the user spelled
+    the setting (``"static:"``, ``"--setting "``), so that the error quotes it back."""
+    try:
+        parts = [int(x) for x in text.split(",")] if text else []
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2):
+        raise ConfigError(f"{prefix}{text} is invalid. Allowed: {prefix}K or {prefix}K,W with integers, "
+                          f"e.g. {prefix}4,2.")
+    k, w = parts[0], parts[1] if len(parts) == 2 else 1
+    check_action(k, w)
+    return k, w
+
+
 @lru_cache(maxsize=256)
 def tree_shape(k: int, w: int = 1) -> TreeShape:
     """The (k, w) member of the rank-path family: k * w draft nodes, depth k."""

@@ -27,9 +27,13 @@ def test_static_and_ar():
     assert make_policy("static:4,2", CTX).decide(feats()) == (4, 2)
     assert make_policy("static:3", CTX).decide(feats()) == (3, 1)
     assert make_policy("hf-constant", CTX).decide(feats()) == (8, 1)  # HF's 20, clipped to the table
-    for bad in ("static:x", "static:1,2,3", "static:99"):
-        with pytest.raises(ConfigError):
+    for bad in ("static:x", "static:1,2,3", "static:", "static:2,x"):
+        with pytest.raises(ConfigError, match=f"{bad} is invalid. Allowed: static:K or static:K,W"):
             make_policy(bad, CTX)
+    with pytest.raises(ConfigError, match="k=99 is out of range"):
+        make_policy("static:99", CTX)
+    with pytest.raises(ConfigError, match="w=9 is out of range"):
+        make_policy("static:2,9", CTX)
     with pytest.raises(ConfigError, match="Did you mean 'goodput'"):
         make_policy("goodptu", CTX)
 

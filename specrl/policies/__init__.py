@@ -17,17 +17,9 @@ BASELINES = ("ar", "static:4,1", "hf-heuristic", "hf-constant", "hf-confidence",
 
 def _static(ctx: PolicyContext, arg: str) -> Any:
     from specrl.policies.rules import Static
+    from specrl.tree import parse_action
 
-    try:
-        parts = [int(x) for x in arg.split(",")] if arg else []
-    except ValueError as e:
-        raise ConfigError(f"static:{arg} is invalid. Allowed: static:K or static:K,W with integers, e.g. static:4,2.") from e
-    if len(parts) not in (1, 2):
-        raise ConfigError(f"static:{arg} is invalid. Allowed: static:K or static:K,W, e.g. static:4,2.")
-    from specrl.tree import check_action
-
-    check_action(parts[0], parts[1] if len(parts) == 2 else 1)
-    return Static(ctx, parts[0], parts[1] if len(parts) == 2 else 1)
+    return Static(ctx, *parse_action(arg, prefix="static:"))
 
 
 def _lazy(module: str, cls: str, **kw: Any) -> Callable[[PolicyContext, str], Any]:
