@@ -224,6 +224,8 @@ def test_validate_replay_agrees_exactly_when_both_sides_use_the_cost_model(tiny_
 
 
 def test_machine_speed_is_measured_over_profiled_time(monkeypatch):
+    from types import SimpleNamespace
+
     import specrl.profiling
     from specrl.costs import CostModel
     from specrl.validate import machine_speed
@@ -232,8 +234,8 @@ def test_machine_speed_is_measured_over_profiled_time(monkeypatch):
     cost = CostModel([1, 4], [1, 5], [128], grid.tolist())
     measured = np.array([[[0.020], [0.030]], [[0.020], [0.500]]])  # one outlier point
     monkeypatch.setattr(specrl.profiling, "forward_grid", lambda *a, **k: measured)
-    assert machine_speed(object.__new__(type("P", (), {"target": None, "device": None, "vocab_size": 8})), cost) \
-        == pytest.approx(2.5)  # median of 2, 3, 2, 50
+    pair = SimpleNamespace(target=None, device=None, vocab_size=8)  # forward_grid is stubbed out
+    assert machine_speed(pair, cost) == pytest.approx(2.5)  # median of 2, 3, 2, 50
 
 
 def test_validate_speed_correction_scales_replay_time(tiny_traces, tiny_pair_dirs, isolated_cache, monkeypatch):
