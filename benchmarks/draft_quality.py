@@ -22,7 +22,6 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from _common import final_line, machine, table
 
@@ -30,12 +29,14 @@ from specrl.drafttrain.data import DataConfig, prompt_split
 from specrl.drafttrain.shipped import runtime_dtype, shipped_dir
 from specrl.drafttrain.student import CARD, load_draft
 from specrl.engine import Action, SpecEngine
-from specrl.kvcache import RaggedKVCache, prefill
 from specrl.models import ModelPair
+from specrl.profiling import forward_grid
 from specrl.prompts import load_prompts
 
-SPEC_BENCH = Path("/work/shared/data/spec_bench/question.jsonl")
-MT_BENCH = Path("/work/shared/data/mt_bench/question.jsonl")
+# the prompt sets next to the checkout (../shared/data), never committed into the project
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SPEC_BENCH = SHARED_DATA / "spec_bench" / "question.jsonl"
+MT_BENCH = SHARED_DATA / "mt_bench" / "question.jsonl"
 # per-category sums: top-1 / top-4 hits, positions, accept lengths k=2 / k=4, AR / spec seconds, AR tokens,
 # prompts, spec tokens (equal to AR tokens whenever outputs are identical, i.e. always in float32)
 KEYS = ("a1", "a4", "pos", "acc2", "acc4", "ar_s", "sp_s", "tok", "n", "sp_tok")
@@ -80,21 +81,12 @@ def agreement(draft: torch.nn.Module, prompt: list[int], out: list[int]) -> tupl
     return float((top4[:, 0] == y).sum()), float((top4 == y[:, None]).any(-1).sum()), len(out)
 
 
-@torch.inference_mode()
-def step_ms(model: torch.nn.Module, n: int = 1, ctx: int = 256, reps: int = 15) -> float:
-    """Median ms of one cached forward of n tokens after ctx tokens (the engine's cache path)."""
-    cache = RaggedKVCache()
+def step_ms(model: torch.nn.Module, tokens: tuple[int, ...] = (1,), ctx: int = 256, reps: int = 15) -> list[float]:
+    """Median ms of one cached batch-1 forward of n tokens after ctx tokens, for each n in ``tokens``
+    (the profiler's interleaved timing, on the engine's cache path)."""
     dev = next(model.parameters()).device
-    prefill(model, cache, [np.arange(ctx) % 1000 + 100], dev)
-    times = []
-    for _ in range(reps):
-        base = cache.T
-        t0 = time.perf_counter()
-        cache.forward(model, torch.full((1, n), 5, device=dev), torch.arange(n, device=dev)[None] + ctx,
-                      torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None], base)
-        times.append(time.perf_counter() - t0)
-        cache.keep(base, torch.tensor([[base]], device=dev), torch.tensor([0], device=dev), 0)
-    return 1000 * float(np.median(times))
+    grid = forward_grid(model, dev, [1], list(tokens), [ctx], reps, model.config.vocab_size)  # (1, n, 1) seconds
+    return [1000 * float(x) for x in grid[0, :, 0]]
 
 
 def load_pair(model: str, dtype: str, draft_dir: Path | None, draft_dtype: str) -> ModelPair:
@@ -142,14 +134,15 @@ def measure(pair: ModelPair, held: list, calib: list, n: int, grid: list[Action]
         rows.append([cat, *[cats[cat][k] for k in ("alpha", "alpha_top4", "accept_len_k2", "accept_len_k4",
                                                     "speedup_bs1")], int(c["n"])])
     tot = {k: sum(c[k] for c in per.values()) for k in KEYS}
-    t1, td = step_ms(pair.target), step_ms(pair.draft)
+    (td,) = step_ms(pair.draft)
+    t1, *tv = step_ms(pair.target, (1, 3, 4, 5))
     res = {
         "alpha": tot["a1"] / tot["pos"], "alpha_top4": tot["a4"] / tot["pos"],
         "accept_len_k2": tot["acc2"] / tot["n"], "accept_len_k4": tot["acc4"] / tot["n"],
         "speedup_bs1": (tot["sp_tok"] / tot["sp_s"]) / (tot["tok"] / tot["ar_s"]), "best_action": [best.k, best.w],
         "ar_tokens_per_s": tot["tok"] / tot["ar_s"], "spec_tokens_per_s": tot["sp_tok"] / tot["sp_s"],
         "target_step_ms": t1, "draft_step_ms": td, "draft_cost_ratio": td / t1,
-        "verify_cost_ratio": {f"{m}": step_ms(pair.target, m) / t1 for m in (3, 4, 5)},
+        "verify_cost_ratio": {f"{m}": t / t1 for m, t in zip((3, 4, 5), tv)},
         "outputs_identical": bool(same), "per_category": cats,
     }
     log(table(["category", "alpha", "alpha top-4", "accept k=2", "accept k=4", "speedup bs1", "prompts"], rows))
