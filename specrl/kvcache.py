@@ -16,8 +16,9 @@ meaning of its own. Operations:
   tentative region and mark them valid; the rest of the region is discarded.
 * ``select_rows`` / ``merge``: requests leave (rows are dropped) and join (rows prefilled in
   another cache are appended; the shorter side gets trailing holes).
-* ``compact``: when holes waste more than ``waste_limit`` of the columns, every row's valid
-  columns are packed to the left (one gather per layer, amortised over many steps).
+* ``compact``: when packing would free more than ``waste_limit`` of the columns (holes shared
+  by every row's tail, e.g. rejected tree slots), every row's valid columns are packed to the
+  left (one gather per layer, amortised over many steps).
 """
 
 from __future__ import annotations
@@ -218,13 +219,19 @@ class RaggedKVCache:
         used = self.valid[: self.B, : self.T].any(dim=0).nonzero()
         self.T = int(used.max()) + 1 if used.numel() else 0
 
-    def waste(self) -> float:
+    def reclaimable(self) -> float:
+        """Fraction of the ``T`` columns that ``compact`` would free: 1 - (longest row) / T.
+
+        Not the share of holes: rows of different lengths (a short prompt beside a long one)
+        leave holes that no packing removes, and compacting for them would copy the whole cache
+        on every step while freeing nothing (what this once did: 29 ms of a 160 ms step at
+        batch 4 on CPU)."""
         if self.B == 0 or self.T == 0:
             return 0.0
-        return 1.0 - float(self.valid[: self.B, : self.T].sum()) / (self.B * self.T)
+        return 1.0 - float(self.valid[: self.B, : self.T].sum(dim=1).max()) / self.T
 
     def maybe_compact(self) -> bool:
-        if self.T < self.min_compact_len or self.waste() <= self.waste_limit:
+        if self.T < self.min_compact_len or self.reclaimable() <= self.waste_limit:
             return False
         self.compact()
         return True

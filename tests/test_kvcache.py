@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from tiny import tiny_pair
 
@@ -85,3 +86,18 @@ def test_merge_select_and_compact_preserve_rows():
     assert cache.T == 8  # packed: the longest row (8 tokens) sets the width
     got = probe(cache, model, [seqs[3], seqs[1]], [5, 8])
     torch.testing.assert_close(got[1], ref[1])
+
+
+@torch.inference_mode()
+def test_compaction_runs_only_when_it_frees_columns():
+    """Rows of different lengths leave holes no packing removes: compacting for them would copy the
+    whole cache every step for nothing. Holes in every row (dropped tree slots) are freed."""
+    pair = tiny_pair(vocab=32, seed=3)
+    rng = np.random.default_rng(2)
+    cache = RaggedKVCache(waste_limit=0.3, min_compact_len=16)
+    prefill(pair.target, cache, [rng.integers(0, 32, size=n) for n in (4, 90)], torch.device("cpu"))
+    assert cache.T == 89 and cache.reclaimable() == 0.0
+    assert not cache.maybe_compact()  # half the columns are holes, but the long row needs them all
+    cache.valid[:, 10:60] = False  # a hole shared by both rows: packing frees 50 of 89 columns
+    assert cache.reclaimable() == pytest.approx(50 / 89)
+    assert cache.maybe_compact() and cache.T == 39
