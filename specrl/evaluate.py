@@ -132,8 +132,12 @@ def run_replay(cfg: Any, policy_spec: str, loads: list[Load], seeds: list[int], 
 
 
 def run_live(cfg: Any, policy_spec: str, loads: list[Load], seeds: list[int], make: Callable[[], Any],
-             pair: Any = None) -> list[Episode]:
-    """The same episodes on the live env (measured time): slow, for spot checks."""
+             pair: Any = None, also_time: Callable[[Any], float] | None = None) -> list[Episode]:
+    """The same episodes on the live env (measured time): slow, for spot checks.
+
+    ``also_time`` (StepResult -> seconds) is evaluated on every live step beside the env's own
+    clock, and its sum lands in the episode summary as ``also_time_s`` (with ``time_s``, the
+    env's): validate-replay uses it to charge the cost model on exactly the live steps."""
     import specrl
     from specrl.policies.base import ActionTable
 
@@ -141,10 +145,21 @@ def run_live(cfg: Any, policy_spec: str, loads: list[Load], seeds: list[int], ma
     episodes = []
     for ld in loads:
         env = specrl.make_env(_env_cfg(cfg, ld), backend="live", pair=pair)
+        loop = env.unwrapped.loop
+        own_time, sums = loop.time_fn, [0.0, 0.0]
+
+        def timed(res: Any) -> float:
+            dt = own_time(res)
+            sums[0] += dt
+            sums[1] += also_time(res) if also_time is not None else 0.0
+            return dt
+
+        loop.time_fn = timed
         for s in seeds:
             pol = make()
             pol.reset()
             obs, _ = env.reset(seed=s, options={"level": ld.level()})
+            sums[:] = [0.0, 0.0]
             log = []
             while True:
                 k, w = pol.decide(obs)
@@ -153,7 +168,10 @@ def run_live(cfg: Any, policy_spec: str, loads: list[Load], seeds: list[int], ma
                 pol.observe(obs, info)
                 log.append((t0, info["k"], info["w"]))
                 if term or trunc:
-                    episodes.append(Episode(pol.name, ld, s, info["episode_summary"], log))
+                    summary = dict(info["episode_summary"])
+                    if also_time is not None:
+                        summary.update(time_s=sums[0], also_time_s=sums[1])
+                    episodes.append(Episode(pol.name, ld, s, summary, log))
                     break
     return episodes
 

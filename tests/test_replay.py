@@ -220,6 +220,9 @@ def test_validate_replay_agrees_exactly_when_both_sides_use_the_cost_model(tiny_
                    progress=False, live_time="profiled")
     assert res["max_goodput_rel_error"] < 1e-9 and res["same_static_ranking"] and res["spearman"] > 0.99
     assert all(abs(r["live_accept_len"] - r["replay_accept_len"]) < 1e-9 for r in res["rows"])
+    # the live side's own clock is the cost model here, so charging it on the same steps agrees
+    assert all(r["live_time_vs_model"] == pytest.approx(1.0) for r in res["rows"])
+    assert res["mean_step_time_corrected_error"] < 1e-9
     assert "| closed:1 | static:2,1 |" in table(res)
 
 
@@ -253,3 +256,5 @@ def test_validate_speed_correction_scales_replay_time(tiny_traces, tiny_pair_dir
     assert res["max_goodput_rel_error"] < 1e-9
     assert res["max_corrected_rel_error"] == pytest.approx(0.5)
     assert all(r["speed_factor"] == 2.0 for r in res["rows"])
+    # the live steps took exactly the modelled time, so at half speed the cost model is off by half
+    assert res["mean_step_time_corrected_error"] == pytest.approx(0.5)
