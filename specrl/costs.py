@@ -70,19 +70,27 @@ class CostModel:
     prefill: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a + b * rows + c * padded tokens (rows x max len)
     provenance: dict[str, Any] = field(default_factory=dict)
     format: int = COST_FORMAT
+    # per batch size: engine verify time / isolated forward time (``calibrate_on_engine``); the
+    # step functions charge verify * scale, ``isolated_verify_time`` the bare grid
+    verify_scale: list[float] | None = None
 
     def __post_init__(self) -> None:
         self._axes = (np.log2(np.asarray(self.batch, float)), np.log2(np.asarray(self.tokens, float)),
                       np.asarray(self.context, float))
-        self._verify = np.asarray(self.verify, float)
+        self._raw_verify = np.asarray(self.verify, float)
         self._draft = None if self.draft is None else np.asarray(self.draft, float)
         expect = (len(self.batch), len(self.tokens), len(self.context))
-        for name, arr in (("verify", self._verify), ("draft", self._draft)):
+        for name, arr in (("verify", self._raw_verify), ("draft", self._draft)):
             if arr is not None and arr.shape != expect:
                 raise TraceError(
                     f"Cost model grid {name!r} has shape {arr.shape}, expected {expect} from its axes. "
                     "Fix: re-run `specrl profile`."
                 )
+        scale = np.ones(len(self.batch)) if self.verify_scale is None else np.asarray(self.verify_scale, float)
+        if scale.shape != (len(self.batch),) or not np.all(scale > 0):
+            raise TraceError(f"Cost model verify_scale {self.verify_scale!r} must hold one positive factor per "
+                             f"batch size {self.batch}. Fix: re-run `specrl profile`.")
+        self._verify = self._raw_verify * scale[:, None, None]  # what the engine pays
         # Batch sizes and token counts are integers: interpolate (log2 batch, log2 tokens) once per
         # integer pair, so a lookup is an index plus a linear step along the context axis.
         b = np.arange(DENSE_BATCH + 1, dtype=float)[:, None, None]
@@ -104,6 +112,10 @@ class CostModel:
         """Target forward with ``batch`` rows of ``tokens`` tokens at ``context``; scalars or arrays
         (batch <= 64 and tokens <= 65 are exact grid interpolations; larger values are clamped)."""
         return self._lookup(self._dense_verify, self._axes, batch, tokens, context)
+
+    def isolated_verify_time(self, batch: float, tokens: float, context: float) -> float:
+        """The profiled forward alone, before the engine calibration (what ``forward_grid`` measures)."""
+        return float(interp3(self._raw_verify, self._axes, np.log2(batch), np.log2(tokens), context))
 
     def draft_forward_time(self, batch: Any, tokens: Any, context: Any) -> Any:
         if self._dense_draft is None:

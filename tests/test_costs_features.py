@@ -93,3 +93,35 @@ def test_feature_tracker_on_hand_written_steps():
     assert tr.vector()[INDEX["match_len"]] == pytest.approx(4 / 3)
     tr.record_arrivals(4, now=1.0, window=1.0)
     assert tr.vector()[INDEX["arrival_rate"]] == pytest.approx(2.0)  # EMA 0.5 of 0 and 4/s
+
+
+def test_verify_scale_multiplies_engine_time_not_the_isolated_grid(tmp_path):
+    base = CostModel.analytic()
+    d = base.to_json()
+    d["verify_scale"] = [2.0, 1.0, 1.0, 1.0, 0.5]
+    cm = CostModel(**{**d, "overhead": tuple(d["overhead"]), "prefill": tuple(d["prefill"])})
+    assert cm.verify_time(1, 5, 128) == pytest.approx(2 * base.verify_time(1, 5, 128))
+    assert cm.verify_time(16, 5, 128) == pytest.approx(0.5 * base.verify_time(16, 5, 128))
+    assert cm.verify_time(4, 9, 1024) == pytest.approx(base.verify_time(4, 9, 1024))
+    assert cm.isolated_verify_time(1, 5, 128) == pytest.approx(base.verify_time(1, 5, 128))
+    assert CostModel.load(cm.save(tmp_path / "c.json")).verify_time(1, 5, 128) == cm.verify_time(1, 5, 128)
+    with pytest.raises(TraceError, match="one positive factor per batch size"):
+        CostModel(**{**d, "verify_scale": [1.0, 2.0]})
+
+
+def test_engine_calibration_corrects_an_inflated_grid():
+    """Calibrating on real engine steps pulls a grid that says forwards take 20x longer than they
+    do back down, at every batch size, and measures the step's bookkeeping as overhead."""
+    import torch
+    from tiny import tiny_pair
+
+    from specrl.profiling import calibrate_on_engine, forward_grid
+
+    torch.manual_seed(0)
+    pair = tiny_pair(vocab=64)
+    batch, tokens, context = [1, 2], [1, 5, 9], [64, 128]
+    grid = forward_grid(pair.target, pair.device, batch, tokens, context, 2, pair.vocab_size)
+    inflated = CostModel(batch, tokens, context, (20 * grid).tolist())
+    scale, (a, b) = calibrate_on_engine(pair, "ngram", inflated, 2, np.random.default_rng(0))
+    assert len(scale) == 2 and all(0 < s < 0.5 for s in scale)
+    assert a >= 0 and b >= 0 and a + b > 0
