@@ -58,17 +58,28 @@ def machine_speed(pair: Any, cost: Any, reps: int = 3) -> float:
 
 
 def validate(cfg: Any, policies: list[str], loads: list[Any], seeds: list[int], pair: Any = None,
-             progress: bool = True, live_time: str = "measured", probe_speed: bool | None = None) -> dict[str, Any]:
+             progress: bool = True, live_time: str = "measured", probe_speed: bool | None = None,
+             repeats: int = 1) -> dict[str, Any]:
     """``live_time='profiled'`` charges the live env with the cost model too (a plumbing check:
     then the two sides must agree exactly). ``probe_speed`` (default: when time is measured)
-    times reference forwards before and after each policy's live runs (see the module doc)."""
+    times reference forwards before and after each policy's live runs (see the module doc).
+
+    ``repeats`` > 1 runs every live policy that many times, in alternating order (forward, then
+    reversed) so slow drift does not favour the policies that run first; live goodput is the
+    mean, and the spread between repeats is the *live noise*: the error the live side makes
+    against itself, a floor under any replay error this machine can measure. Static pairs whose
+    live gap exceeds both policies' noise are *resolved*; the ranking is also judged on those."""
     from tqdm import tqdm
 
     from specrl.envs.config import load_cost_model
+    from specrl.errors import ConfigError
     from specrl.envs.live import shared_pair, time_function
     from specrl.evaluate import aggregate, run_live, run_replay
     from specrl.policies import PolicyContext, make_policy
 
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats} is not allowed: use 1 or more (2 or more also measure the "
+                          "live noise)")
     cost = load_cost_model(cfg)
     ctx = PolicyContext(cfg.k_choices, cfg.w_choices, cost, cfg.drafter)
     live_cfg = replace(cfg, backend="live", time_source=live_time)
@@ -77,25 +88,35 @@ def validate(cfg: Any, policies: list[str], loads: list[Any], seeds: list[int], 
         probe_speed = live_time == "measured"
     if probe_speed and pair is None:
         pair = shared_pair(live_cfg)
-    live_eps, rep_eps, speed = [], [], {}
+    by_repeat: list[list[Any]] = [[] for _ in range(repeats)]
+    rep_eps: list[Any] = []
+    probes: dict[str, list[float]] = {}
     model_time = time_function(replace(cfg, time_source="profiled"), cost)
-    for spec in tqdm(policies, desc="live vs replay", disable=not progress):
-        def make(spec: str = spec) -> Any:
-            return make_policy(spec, ctx)
 
+    def make_for(spec: str) -> Any:
+        return lambda: make_policy(spec, ctx)
+
+    runs = [(r, spec) for r in range(repeats) for spec in (policies if r % 2 == 0 else policies[::-1])]
+    for r, spec in tqdm(runs, desc="live vs replay", disable=not progress):
         before = machine_speed(pair, cost) if probe_speed else 1.0
-        eps = run_live(live_cfg, spec, loads, seeds, make, pair=pair, also_time=model_time)
+        eps = run_live(live_cfg, spec, loads, seeds, make_for(spec), pair=pair, also_time=model_time)
         after = machine_speed(pair, cost) if probe_speed else 1.0
-        live_eps += eps
-        rep_eps += run_replay(rep_cfg, spec, loads, seeds, make)
-        speed.update({e.policy: (before + after) / 2 for e in eps})
+        by_repeat[r] += eps
+        if r == 0:  # replay is deterministic: once is enough
+            rep_eps += run_replay(rep_cfg, spec, loads, seeds, make_for(spec))
+        for e in eps:
+            probes.setdefault(e.policy, []).append((before + after) / 2)
+    live_eps = [e for eps in by_repeat for e in eps]
     live, rep = aggregate(live_eps), aggregate(rep_eps)
+    per_rep = [aggregate(eps) for eps in by_repeat]
+    speed = {p: float(np.mean(v)) for p, v in probes.items()}
     names = list(dict.fromkeys(e.policy for e in live_eps))
-    rows, errs, cerrs, terrs = [], [], [], []
+    rows, errs, cerrs, terrs, noises = [], [], [], [], []
     step_times: dict[tuple[str, str], tuple[float, float]] = {}
     for e in live_eps:
         m, c = step_times.get((e.policy, e.load.label), (0.0, 0.0))
         step_times[e.policy, e.load.label] = (m + e.summary["time_s"], c + e.summary["also_time_s"])
+    noise: dict[tuple[str, str], float] = {}
     for ld in loads:
         lab = ld.label
         for p in names:
@@ -105,37 +126,73 @@ def validate(cfg: Any, policies: list[str], loads: list[Any], seeds: list[int], 
             err, cerr = abs(gr - gl) / gl, abs(gr / sp - gl) / gl
             measured, modelled = step_times[p, lab]
             time_ratio = measured / modelled if modelled > 0 else float("nan")
+            gs = [a[p][lab]["goodput"][0] for a in per_rep]
+            nz = (max(gs) - min(gs)) / gl if repeats > 1 else None
+            noise[p, lab] = nz if nz is not None else 0.0
             errs.append(err)
             cerrs.append(cerr)
             terrs.append(abs(time_ratio / sp - 1))
+            if nz is not None:
+                noises.append(nz)
             rows.append({"load": lab, "policy": p, "live_goodput": gl, "replay_goodput": gr, "rel_error": err,
                          "speed_factor": sp, "corrected_rel_error": cerr, "live_time_vs_model": time_ratio,
+                         "live_noise": nz, "live_goodputs": gs,
                          "live_accept_len": al, "replay_accept_len": ar_})
-    same, rho = True, []
+    same, rho, resolved, agree = True, [], 0, 0
     for ld in loads:
         lab = ld.label
         st = [p for p in names if p in STATIC or p.startswith("static")]
-        order_l = sorted(st, key=lambda p: -live[p][lab]["goodput"][0])
-        order_r = sorted(st, key=lambda p: -rep[p][lab]["goodput"][0])
-        same &= order_l == order_r
+        gl = {p: live[p][lab]["goodput"][0] for p in st}
+        gr = {p: rep[p][lab]["goodput"][0] for p in st}
+        same &= sorted(st, key=lambda p: -gl[p]) == sorted(st, key=lambda p: -gr[p])
         rho.append(spearman([live[p][lab]["goodput"][0] for p in names], [rep[p][lab]["goodput"][0] for p in names]))
+        for i, a in enumerate(st):
+            for b in st[i + 1:]:
+                gap = abs(gl[a] - gl[b]) / ((gl[a] + gl[b]) / 2)
+                if repeats > 1 and gap > max(noise[a, lab], noise[b, lab]):
+                    resolved += 1
+                    agree += (gl[a] > gl[b]) == (gr[a] > gr[b])
     return {"max_goodput_rel_error": float(max(errs)), "mean_goodput_rel_error": float(np.mean(errs)),
             "max_corrected_rel_error": float(max(cerrs)), "mean_corrected_rel_error": float(np.mean(cerrs)),
             "mean_step_time_corrected_error": float(np.mean(terrs)),
             "mean_accept_len_abs_error": float(np.mean([abs(r["live_accept_len"] - r["replay_accept_len"])
                                                         for r in rows])),
-            "same_static_ranking": bool(same), "spearman": float(np.mean(rho)), "rows": rows}
+            "same_static_ranking": bool(same), "spearman": float(np.mean(rho)),
+            "repeats": repeats,
+            "live_noise_mean": float(np.mean(noises)) if noises else None,
+            "live_noise_max": float(max(noises)) if noises else None,
+            "resolved_static_pairs": resolved if repeats > 1 else None,
+            "resolved_static_pairs_agreeing": agree if repeats > 1 else None,
+            "rows": rows}
 
 
 def table(res: dict[str, Any]) -> str:
-    head = ("| load | policy | live goodput | replay goodput | error | speed factor | speed-corrected error "
-            "| live time / cost model | live accept len | replay accept len |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| load | policy | live goodput | replay goodput | error | live noise | speed factor "
+            "| speed-corrected error | live time / cost model | live accept len | replay accept len |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
+        noise = "n/a" if r["live_noise"] is None else f"{100 * r['live_noise']:.1f}%"
         lines.append(f"| {r['load']} | {r['policy']} | {r['live_goodput']:.1f} | {r['replay_goodput']:.1f} | "
-                     f"{100 * r['rel_error']:.1f}% | {r['speed_factor']:.2f} | {100 * r['corrected_rel_error']:.1f}% | "
-                     f"{r['live_time_vs_model']:.2f} | {r['live_accept_len']:.2f} | {r['replay_accept_len']:.2f} |")
+                     f"{100 * r['rel_error']:.1f}% | {noise} | {r['speed_factor']:.2f} | "
+                     f"{100 * r['corrected_rel_error']:.1f}% | {r['live_time_vs_model']:.2f} | "
+                     f"{r['live_accept_len']:.2f} | {r['replay_accept_len']:.2f} |")
     return "\n".join(lines)
+
+
+def summary(res: dict[str, Any]) -> str:
+    """One paragraph a reader can act on: the errors, and the live noise floor they sit on."""
+    out = (f"max goodput error {100 * res['max_goodput_rel_error']:.1f}% (mean {100 * res['mean_goodput_rel_error']:.1f}%); "
+           f"speed-corrected max {100 * res['max_corrected_rel_error']:.1f}% (mean "
+           f"{100 * res['mean_corrected_rel_error']:.1f}%); cost model vs live step time "
+           f"{100 * res['mean_step_time_corrected_error']:.1f}% (mean, speed-corrected); accept length mean abs error "
+           f"{res['mean_accept_len_abs_error']:.3f}; static ranking identical: {res['same_static_ranking']}, "
+           f"Spearman {res['spearman']:.2f}")
+    if res["live_noise_mean"] is not None:
+        out += (f"\nlive noise (spread of {res['repeats']} live repeats of the same policy): mean "
+                f"{100 * res['live_noise_mean']:.1f}%, max {100 * res['live_noise_max']:.1f}%; "
+                f"static pairs resolved beyond that noise: {res['resolved_static_pairs']}, ordered the same in "
+                f"replay: {res['resolved_static_pairs_agreeing']}")
+    return out
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -145,6 +202,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", nargs="+", default=["closed:1,4"])
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--horizon", type=float, default=20.0)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="live runs per policy, in alternating order; 2 or more also measure the live noise")
     p.add_argument("--split", default="test")
     p.add_argument("--json", action="store_true")
 
@@ -158,13 +217,10 @@ def run(args: argparse.Namespace) -> int:
     over = dict(split_override(s) for s in args.set)
     cfg = load_env_config(args.env, horizon_s=args.horizon, prompt_split=args.split, **over)
     ensure_traces(replace(cfg, backend="replay"))
-    res = validate(cfg, _split_policies(args.policies), parse_loads(args.loads), list(range(args.seeds)))
+    res = validate(cfg, _split_policies(args.policies), parse_loads(args.loads), list(range(args.seeds)),
+                   repeats=args.repeats)
     print(table(res))
-    print(f"\nmax goodput error {100 * res['max_goodput_rel_error']:.1f}% (mean {100 * res['mean_goodput_rel_error']:.1f}%); "
-          f"speed-corrected max {100 * res['max_corrected_rel_error']:.1f}% (mean "
-          f"{100 * res['mean_corrected_rel_error']:.1f}%); accept length mean abs error "
-          f"{res['mean_accept_len_abs_error']:.3f}; static ranking identical: {res['same_static_ranking']}, "
-          f"Spearman {res['spearman']:.2f}")
+    print("\n" + summary(res))
     if args.json:
         print(json.dumps(res))
     return 0

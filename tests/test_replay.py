@@ -258,3 +258,40 @@ def test_validate_speed_correction_scales_replay_time(tiny_traces, tiny_pair_dir
     assert all(r["speed_factor"] == 2.0 for r in res["rows"])
     # the live steps took exactly the modelled time, so at half speed the cost model is off by half
     assert res["mean_step_time_corrected_error"] == pytest.approx(0.5)
+
+
+def test_validate_repeats_alternate_order_and_measure_live_noise(tiny_traces, tiny_pair_dirs, isolated_cache,
+                                                                 monkeypatch):
+    import specrl.evaluate as ev
+    from specrl.envs.config import load_env_config
+    from specrl.errors import ConfigError
+    from specrl.validate import summary, table, validate
+
+    pair, prompts, tr = tiny_traces
+    cfg = load_env_config(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], prompts=_write(prompts, isolated_cache),
+                                     horizon_s=3.0))
+    calls, real = [], ev.run_live
+
+    def spy(cfg, spec, *a, **k):  # the second live repeat of 'ar' runs 10% faster than the first
+        eps = real(cfg, spec, *a, **k)
+        calls.append(spec)
+        if spec == "ar" and calls.count("ar") == 2:
+            for e in eps:
+                e.summary["goodput"] *= 1.1
+        return eps
+
+    monkeypatch.setattr(ev, "run_live", spy)
+    loads = ev.parse_loads(["closed:2"])
+    res = validate(cfg, ["ar", "static:2,1", "static:6,3"], loads, [0], pair=pair, progress=False,
+                   live_time="profiled", repeats=2)
+    assert calls == ["ar", "static:2,1", "static:6,3", "static:6,3", "static:2,1", "ar"]
+    rows = {r["policy"]: r for r in res["rows"]}
+    # the profiled clock is deterministic: only the doctored policy shows noise, 0.1 / mean(1, 1.1)
+    assert rows["static:2,1"]["live_noise"] == 0 and rows["static:6,3"]["live_noise"] == 0
+    assert rows["ar"]["live_noise"] == pytest.approx(0.1 / 1.05)
+    assert rows["ar"]["live_goodput"] == pytest.approx(rows["ar"]["replay_goodput"] * 1.05)
+    assert res["live_noise_max"] == pytest.approx(0.1 / 1.05)
+    assert res["resolved_static_pairs"] <= 3 and res["resolved_static_pairs_agreeing"] <= res["resolved_static_pairs"]
+    assert "live noise" in summary(res) and "| 9.5% |" in table(res)
+    with pytest.raises(ConfigError, match="repeats 0"):
+        validate(cfg, ["ar"], loads, [0], pair=pair, progress=False, live_time="profiled", repeats=0)
