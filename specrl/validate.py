@@ -18,6 +18,12 @@ Goodput error has two sources, and the validator separates them: the *time* char
 finishes a request earlier). "Live time / cost model" charges the cost model on exactly the
 steps the live run took: divided by the speed factor it is the cost model's own error, free of
 trajectory effects (``mean_step_time_corrected_error``).
+
+Finally, the live side is not a fixed reference: with ``--repeats 2`` (the default) every live
+policy runs twice, the second time in reversed policy order, and the spread between the two is
+the *live noise*. A replay error below it cannot be told apart from the live side's error
+against itself; the ranking is judged both over all static policies and over the static pairs
+whose live gap is larger than that noise (the only pairs whose live order means something).
 """
 
 from __future__ import annotations
@@ -72,8 +78,8 @@ def validate(cfg: Any, policies: list[str], loads: list[Any], seeds: list[int], 
     from tqdm import tqdm
 
     from specrl.envs.config import load_cost_model
-    from specrl.errors import ConfigError
     from specrl.envs.live import shared_pair, time_function
+    from specrl.errors import ConfigError
     from specrl.evaluate import aggregate, run_live, run_replay
     from specrl.policies import PolicyContext, make_policy
 
