@@ -291,7 +291,10 @@ def test_validate_repeats_alternate_order_and_measure_live_noise(tiny_traces, ti
     assert rows["ar"]["live_noise"] == pytest.approx(0.1 / 1.05)
     assert rows["ar"]["live_goodput"] == pytest.approx(rows["ar"]["replay_goodput"] * 1.05)
     assert res["live_noise_max"] == pytest.approx(0.1 / 1.05)
-    assert res["resolved_static_pairs"] <= 3 and res["resolved_static_pairs_agreeing"] <= res["resolved_static_pairs"]
+    # replay differs from live only by the doctored 5% on 'ar', less than its noise: every pair
+    # resolved beyond the noise keeps its order
+    assert 1 <= res["resolved_static_pairs"] <= 3
+    assert res["resolved_static_pairs_agreeing"] == res["resolved_static_pairs"]
     assert "live noise" in summary(res) and "| 9.5% |" in table(res)
     with pytest.raises(ConfigError, match="repeats 0"):
         validate(cfg, ["ar"], loads, [0], pair=pair, progress=False, live_time="profiled", repeats=0)
