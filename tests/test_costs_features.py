@@ -125,3 +125,31 @@ def test_engine_calibration_corrects_an_inflated_grid():
     scale, (a, b) = calibrate_on_engine(pair, "ngram", inflated, 2, np.random.default_rng(0))
     assert len(scale) == 2 and all(0 < s < 0.5 for s in scale)
     assert a >= 0 and b >= 0 and a + b > 0
+
+
+def test_profile_grid_caches_equal_row_by_row_prefills():
+    """The profiler prefills one row per context and replicates it; the result must be the cache
+    that separate prefills of that row build (layout, capacity, contents), and stay independent
+    of the row it was copied from."""
+    import torch
+    from tiny import tiny_pair
+
+    from specrl.kvcache import RaggedKVCache, prefill
+    from specrl.profiling import replicate_rows
+
+    pair = tiny_pair(vocab=64)
+    seq = np.random.default_rng(0).integers(0, 64, size=97)
+    row = RaggedKVCache()
+    prefill(pair.target, row, [seq], pair.device)
+    for rows in (1, 3, 4):
+        ref = RaggedKVCache()
+        for _ in range(rows):
+            prefill(pair.target, ref, [seq], pair.device)
+        got = replicate_rows(row, rows)
+        assert (got.B, got.T) == (ref.B, ref.T) == (rows, 96)
+        assert torch.equal(got.valid[:rows, :96], ref.valid[:rows, :96])
+        for mine, theirs in zip(got.keys + got.values, ref.keys + ref.values):
+            assert mine.shape == theirs.shape
+            torch.testing.assert_close(mine[:rows, :, :96], theirs[:rows, :, :96])
+        got.keys[0][0].zero_()
+        assert row.keys[0].abs().sum() > 0  # the source row is untouched
