@@ -117,7 +117,7 @@ def validate(cfg: Any, policies: list[str], loads: list[Any], seeds: list[int], 
     per_rep = [aggregate(eps) for eps in by_repeat]
     speed = {p: float(np.mean(v)) for p, v in probes.items()}
     names = list(dict.fromkeys(e.policy for e in live_eps))
-    rows, errs, cerrs, terrs, noises = [], [], [], [], []
+    rows, errs, cerrs, terrs = [], [], [], []
     step_times: dict[tuple[str, str], tuple[float, float]] = {}
     for e in live_eps:
         m, c = step_times.get((e.policy, e.load.label), (0.0, 0.0))
@@ -138,8 +138,6 @@ def validate(cfg: Any, policies: list[str], loads: list[Any], seeds: list[int], 
             errs.append(err)
             cerrs.append(cerr)
             terrs.append(abs(time_ratio / sp - 1))
-            if nz is not None:
-                noises.append(nz)
             rows.append({"load": lab, "policy": p, "live_goodput": gl, "replay_goodput": gr, "rel_error": err,
                          "speed_factor": sp, "corrected_rel_error": cerr, "live_time_vs_model": time_ratio,
                          "live_noise": nz, "live_goodputs": gs,
@@ -148,16 +146,17 @@ def validate(cfg: Any, policies: list[str], loads: list[Any], seeds: list[int], 
     for ld in loads:
         lab = ld.label
         st = [p for p in names if p in STATIC or p.startswith("static")]
-        gl = {p: live[p][lab]["goodput"][0] for p in st}
-        gr = {p: rep[p][lab]["goodput"][0] for p in st}
-        same &= sorted(st, key=lambda p: -gl[p]) == sorted(st, key=lambda p: -gr[p])
+        live_g = {p: live[p][lab]["goodput"][0] for p in st}
+        rep_g = {p: rep[p][lab]["goodput"][0] for p in st}
+        same &= sorted(st, key=lambda p: -live_g[p]) == sorted(st, key=lambda p: -rep_g[p])
         rho.append(spearman([live[p][lab]["goodput"][0] for p in names], [rep[p][lab]["goodput"][0] for p in names]))
         for i, a in enumerate(st):
             for b in st[i + 1:]:
-                gap = abs(gl[a] - gl[b]) / ((gl[a] + gl[b]) / 2)
+                gap = abs(live_g[a] - live_g[b]) / ((live_g[a] + live_g[b]) / 2)
                 if repeats > 1 and gap > max(noise[a, lab], noise[b, lab]):
                     resolved += 1
-                    agree += (gl[a] > gl[b]) == (gr[a] > gr[b])
+                    agree += (live_g[a] > live_g[b]) == (rep_g[a] > rep_g[b])
+    noises = [r["live_noise"] for r in rows if r["live_noise"] is not None]
     return {"max_goodput_rel_error": float(max(errs)), "mean_goodput_rel_error": float(np.mean(errs)),
             "max_corrected_rel_error": float(max(cerrs)), "mean_corrected_rel_error": float(np.mean(cerrs)),
             "mean_step_time_corrected_error": float(np.mean(terrs)),
