@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -89,12 +90,13 @@ def step_ms(model: torch.nn.Module, tokens: tuple[int, ...] = (1,), ctx: int = 2
     return [1000 * float(x) for x in grid[0, :, 0]]
 
 
-def load_pair(model: str, dtype: str, draft_dir: Path | None, draft_dtype: str) -> ModelPair:
+def load_pair(model: str, dtype: str, draft_dir: Path | None, draft_dtype: str,
+              shortlist: int | None = None) -> ModelPair:
     pair = ModelPair.load(model, device="cpu", dtype=dtype)
     d = draft_dir or shipped_dir(pair.target_name)
     card = json.loads((d / CARD).read_text())
     dt = runtime_dtype(pair.target, card) if draft_dtype == "auto" else getattr(torch, draft_dtype)
-    draft = load_draft(d, pair.target, dtype=dt)
+    draft = load_draft(d, pair.target, dtype=dt, shortlist=shortlist)
     return ModelPair.from_models(pair.target, draft, tokenizer=pair.tokenizer, target_name=pair.target_name,
                                  draft_name=str(d))
 
@@ -162,6 +164,8 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=3, help="held-out prompts per Spec-Bench category")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--shortlist", type=int, default=None,
+                    help="keep only the draft's top-N shortlist ids (a cheaper head; needs a stored ranking)")
     ap.add_argument("--card", type=Path, default=None, help="merge results into this card.json's 'benchmark'")
     ap.add_argument("--quick", action="store_true", help="1 prompt per category, 48 tokens, float32 only")
     args = ap.parse_args()
@@ -182,7 +186,7 @@ def main() -> None:
     print(f"# draft quality, {machine()}, {len(held_sel)} held-out prompts x {args.max_new_tokens} tokens")
     results = {}
     for dt in args.dtypes.split(","):
-        pair = load_pair(args.model, dt, args.draft, args.draft_dtype)
+        pair = load_pair(args.model, dt, args.draft, args.draft_dtype, args.shortlist)
         print(f"\n## target {dt}, draft {next(pair.draft.parameters()).dtype}\n")
         results[dt] = measure(pair, held_sel, calib, args.max_new_tokens, grid, print)
     first = results[args.dtypes.split(",")[0]]
@@ -195,7 +199,8 @@ def main() -> None:
         out["speedup_bs1_bf16"] = results["bfloat16"]["speedup_bs1"]
     if args.card:
         card = json.loads(args.card.read_text())
-        card["benchmark"] = {"command": "python benchmarks/draft_quality.py" + (" --quick" if args.quick else ""),
+        argv = [a for a in sys.argv[1:] if a != "--card" and a != str(args.card)]
+        card["benchmark"] = {"command": " ".join(["python benchmarks/draft_quality.py", *argv]),
                              **{k: v for k, v in out.items()}}
         args.card.write_text(json.dumps(card, indent=1) + "\n")
     print()

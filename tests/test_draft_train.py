@@ -114,6 +114,23 @@ def test_draft_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
     assert card["arch"]["layers"] == [1] and card["arch"]["shortlist"] == 24
     assert set(card["heldout"]["per_category"]) == {"a", "b"}
     assert (out / "draft.safetensors").stat().st_size < 2**20
+    # the stored ranking cuts a cheaper head without the run: the 12 best-ranked ids of the 24
+    tiny_target = ModelPair.load(str(model_dir), device="cpu", dtype="float32").target
+    from safetensors.torch import load_file
+
+    stored = load_file(str(out / "draft.safetensors"))
+    assert sorted(stored["shortlist_rank"].tolist()) == stored["shortlist"].tolist()
+    cut = load_draft(out, tiny_target, shortlist=12)
+    assert cut.lm_head.ids.tolist() == sorted(stored["shortlist_rank"][:12].tolist())
+    with pytest.raises(ConfigError, match="must be > 0"):
+        load_draft(out, tiny_target, shortlist=0)
+    # ... and `specrl draft export --draft` writes that cut as a new draft
+    cut_dir = tmp_path / "cut"
+    assert main(["draft", "export", "--model", str(model_dir), "--draft", str(out), "--shortlist", "12",
+                 "--out", str(cut_dir)]) == 0
+    recut = load_draft(cut_dir, tiny_target)
+    assert recut.lm_head.ids.tolist() == cut.lm_head.ids.tolist()
+    assert json.loads((cut_dir / "card.json").read_text())["arch"]["shortlist"] == 12
 
     # running again resumes: no new data, training already at its budget
     step = torch.load(run_dir / "ckpt.pt", weights_only=False)["step"]
@@ -152,3 +169,24 @@ def test_shipped_draft_loads_offline_and_is_exact(default_pair):
         out = pair.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
                                    assistant_model=draft, pad_token_id=2, eos_token_id=None)
     assert out[0, len(ids[0]):].tolist()[: len(refs[0])] == refs[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a CPU-only machine gives")
+def test_draft_cli_cuda_without_gpu_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    from specrl.cli import main
+
+    monkeypatch.setenv("SPECRL_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = save_tiny(tmp_path / "tiny", WORDS, seed=3)
+    assert main(["draft", "data", "--model", str(model_dir), "--device", "cuda", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA is not available" in err and "device='cpu'" in err
+
+
+def test_python_dash_m_specrl_runs_the_cli():
+    """scripts/draft_gpu.sh calls `python -m specrl` on machines where the package is not installed."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "specrl", "draft", "train", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "--device" in out.stdout and "--layers" in out.stdout

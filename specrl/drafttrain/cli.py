@@ -45,6 +45,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-dtype", default="bfloat16", help="target dtype for generating data")
     p.add_argument("--rounds", type=int, default=2, help="sampled rounds over the train prompts after the greedy one")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]: where the target and student run")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -85,6 +86,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     _common(x)
     _run_args(x)
     x.add_argument("--out", type=Path, required=True, help="output directory")
+    x.add_argument("--draft", type=Path, default=None,
+                   help="re-export this exported draft (e.g. with a smaller --shortlist) instead of a run")
     x.add_argument("--shortlist", type=int, default=None, help="keep only the top-N ids of the run's shortlist")
     x.add_argument("--cpu-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="dtype the draft runs in next to a float32 target on CPUs with fast bfloat16")
@@ -126,7 +129,7 @@ def _train_config(args: argparse.Namespace) -> Any:
 def _load_target(args: argparse.Namespace, dtype: str) -> Any:
     from specrl.models import ModelPair
 
-    return ModelPair.load(args.model, device="cpu", dtype=dtype)
+    return ModelPair.load(args.model, device=args.device, dtype=dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,9 +176,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res))
         return 0
     if cmd == "export":
-        from specrl.drafttrain.export import export_run
+        from specrl.drafttrain.export import export_draft, export_run
 
-        out = export_run(pair, data_dir, run_dir, args.out, args.cpu_dtype, args.shortlist)
+        if args.draft is not None:
+            out = export_draft(pair.target, args.draft, args.out, args.shortlist)
+        else:
+            out = export_run(pair, data_dir, run_dir, args.out, args.cpu_dtype, args.shortlist)
         print(json.dumps({"exported": str(out)}))
         return 0
     raise ConfigError(f"Unknown draft subcommand {cmd!r}. Fix: use one of data, train, eval, export.")

@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -175,6 +177,8 @@ def generate_batch(
     for b, p in enumerate(prompts):  # left padding: generation continues every row at the right edge
         x[b, width - len(p):] = torch.tensor(list(p))
         am[b, width - len(p):] = 1
+    device = next(model.parameters()).device
+    x, am = x.to(device), am.to(device)
     rec = _HeadRecorder(cfg.topk)
     handle = model.get_output_embeddings().register_forward_hook(rec)
     torch.manual_seed(seed)
@@ -186,9 +190,9 @@ def generate_batch(
                              eos_token_id=list(eos_ids) or None, **kw)
     finally:
         handle.remove()
-    gen = out[:, width:]  # (B, G)
-    vals = torch.stack(rec.vals[: gen.shape[1]], dim=1)  # (B, G, K)
-    idx = torch.stack(rec.idx[: gen.shape[1]], dim=1)
+    gen = out[:, width:].cpu()  # (B, G)
+    vals = torch.stack(rec.vals[: gen.shape[1]], dim=1).cpu()  # (B, G, K)
+    idx = torch.stack(rec.idx[: gen.shape[1]], dim=1).cpu()
     eos = set(eos_ids)
     tokens, seq_len, prompt_len, top_v, top_i = [], [], [], [], []
     for b, p in enumerate(prompts):
@@ -216,6 +220,8 @@ def score_batch(model: torch.nn.Module, seqs: Sequence[Sequence[int]], topk: int
     for b, q in enumerate(seqs):  # right padding: positions are plain 0..n-1
         x[b, : len(q)] = torch.tensor(list(q))
         am[b, : len(q)] = 1
+    device = next(model.parameters()).device
+    x, am = x.to(device), am.to(device)
     hidden = model.model(input_ids=x, attention_mask=am).last_hidden_state  # (B, L, H)
     head = model.get_output_embeddings()
     tokens, seq_len, prompt_len, top_v, top_i = [], [], [], [], []
@@ -224,8 +230,8 @@ def score_batch(model: torch.nn.Module, seqs: Sequence[Sequence[int]], topk: int
         for c in range(0, h.shape[0], chunk):  # full-vocabulary logits a chunk at a time
             logp = torch.log_softmax(head(h[c : c + chunk]).float(), dim=-1)  # (c, V)
             v, i = logp.topk(topk, dim=-1)
-            top_v.append(v.half())
-            top_i.append(i.int())
+            top_v.append(v.half().cpu())
+            top_i.append(i.int().cpu())
         tokens += list(q)
         seq_len.append(len(q))
         prompt_len.append(1)
@@ -299,9 +305,11 @@ def build_data(
             continue
         bar = tqdm(total=len(shards), initial=len(shards) - len(todo), desc=f"data {stage.name}",
                    unit="batch", disable=not progress, dynamic_ncols=True)
+        t0, new = time.perf_counter(), 0
         for s in todo:
             if token_limit is not None and sum(done_tokens.values()) >= token_limit:
                 bar.close()
+                _log_rate(stage.name, new, time.perf_counter() - t0)
                 return done_tokens
             rows = shards[s]
             if stage.text:
@@ -315,10 +323,19 @@ def build_data(
             out["format"] = SHARD_FORMAT
             atomic_save(out, _shard_path(data_dir, stage, s))
             done_tokens[stage.name] = done_tokens.get(stage.name, 0) + int(out["top_i"].shape[0])
+            new += int(out["top_i"].shape[0])
             bar.update(1)
             bar.set_postfix(tokens=sum(done_tokens.values()))
         bar.close()
+        _log_rate(stage.name, new, time.perf_counter() - t0)
     return done_tokens
+
+
+def _log_rate(stage: str, tokens: int, seconds: float) -> None:
+    """One line per stage on stderr: the labelled-token rate is what sizes a data budget."""
+    if tokens:
+        print(f"data {stage}: {tokens} labelled tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.0f}/s)",
+              file=sys.stderr, flush=True)
 
 
 def _shard_path(data_dir: Path, stage: Stage, s: int) -> Path:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from specrl.drafttrain.data import count_tokens, load_sequences, shard_files
-from specrl.drafttrain.student import CARD, WEIGHTS, build_student, load_draft, save_draft
+from specrl.drafttrain.student import CARD, WEIGHTS, ShortlistHead, build_student, load_draft, save_draft
 from specrl.drafttrain.train import evaluate, iter_curve
 from specrl.errors import ConfigError
 
@@ -26,16 +26,17 @@ def student_from_run(
     if not ckpt.is_file() or not cfg_path.is_file():
         raise ConfigError(f"No checkpoint in {run_dir}. Fix: run `specrl draft train --run NAME` first (same --run).")
     cfg = json.loads(cfg_path.read_text())
-    state = torch.load(ckpt, weights_only=False)
+    state = torch.load(ckpt, weights_only=False, map_location="cpu")
     ids = state["shortlist"]
+    rank = state.get("shortlist_rank")
     if shortlist is not None and ids is not None and shortlist < ids.numel():
-        rank = state.get("shortlist_rank")
         if rank is None:
             raise ConfigError(f"Run {run_dir} has no shortlist ranking. Fix: export without --shortlist.")
-        ids = torch.tensor(sorted(rank[:shortlist]), dtype=torch.long)
+        rank = rank[:shortlist]
+        ids = torch.tensor(sorted(rank), dtype=torch.long)
     student = build_student(target, cfg["layers"], ids, dtype=torch.float32)
     student.load_state_dict(state["student"], strict=False)
-    return student.eval(), {**cfg, "step": state["step"], "trained_tokens": state["tokens"]}
+    return student.eval(), {**cfg, "step": state["step"], "trained_tokens": state["tokens"], "_rank": rank}
 
 
 def evaluate_draft(pair: Any, data_dir: Path, run_dir: Path | None, draft_dir: Path | None,
@@ -45,7 +46,7 @@ def evaluate_draft(pair: Any, data_dir: Path, run_dir: Path | None, draft_dir: P
     if not held:
         raise ConfigError(f"No held-out data in {data_dir}. Fix: run `specrl draft data` with the same --prompts first.")
     if draft_dir is not None:
-        student = load_draft(draft_dir, pair.target, dtype=torch.float32)
+        student = load_draft(draft_dir, pair.target, dtype=torch.float32, shortlist=shortlist)
     elif run_dir is not None:
         student, _ = student_from_run(pair.target, run_dir, shortlist)
     else:
@@ -62,6 +63,7 @@ def export_run(pair: Any, data_dir: Path, run_dir: Path, out_dir: Path, cpu_dtyp
     in next to a float32 CPU target when the CPU has fast bfloat16 (see ``shipped.runtime_dtype``).
     """
     student, cfg = student_from_run(pair.target, run_dir, shortlist)
+    rank = cfg.pop("_rank", None)
     res = evaluate(student, load_sequences(shard_files(data_dir, "heldout")))
     manifest_path = data_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
@@ -105,8 +107,40 @@ def export_run(pair: Any, data_dir: Path, run_dir: Path, out_dir: Path, cpu_dtyp
     }
     if "benchmark" in old:
         card["benchmark"] = old["benchmark"]
-    save_draft(student, out_dir, arch, card)
+    save_draft(student, out_dir, arch, card, rank=rank if hasattr(student.lm_head, "ids") else None)
     size = (out_dir / WEIGHTS).stat().st_size
     if size > 20 * 2**20:
         print(f"warning: {out_dir / WEIGHTS} is {size / 2**20:.1f} MiB (> 20 MiB budget for the shipped draft)")
+    return out_dir
+
+
+def export_draft(target: torch.nn.Module, src: Path, out_dir: Path, shortlist: int | None = None) -> Path:
+    """Re-export an exported draft, optionally keeping only its top-``shortlist`` head ids.
+
+    Why: a cheaper head is a prefix of the stored ranking and needs neither the run nor its data
+    (a draft trained on a GPU comes back as its export alone). The card is kept, with
+    ``arch.shortlist`` updated and a note; its held-out alpha was measured with the source head,
+    so rerun ``benchmarks/draft_quality.py --card`` for the cut one.
+    """
+    from safetensors import safe_open
+
+    src, out_dir = Path(src), Path(out_dir)
+    if src.resolve() == out_dir.resolve():
+        raise ConfigError(f"--out {out_dir} is the source draft. Fix: export to a new directory.")
+    card = json.loads((src / CARD).read_text()) if (src / CARD).is_file() else {}
+    student = load_draft(src, target, dtype=torch.float32, shortlist=shortlist)
+    with safe_open(str(src / WEIGHTS), framework="pt") as f:
+        rank = f.get_tensor("shortlist_rank").tolist() if "shortlist_rank" in f.keys() else None  # noqa: SIM118
+    head = student.lm_head
+    arch = dict(card.pop("arch", {}))
+    if isinstance(head, ShortlistHead):
+        n = head.ids.numel()
+        if rank is not None:
+            rank = rank[:n]
+        if int(arch.get("shortlist", n)) != n:
+            card.setdefault("notes", []).append(
+                f"shortlist cut from {arch.get('shortlist')} to {n} ids (top of the stored ranking); "
+                "heldout alpha above is the uncut head's.")
+        arch["shortlist"] = n
+    save_draft(student, out_dir, arch, card, rank=rank if isinstance(head, ShortlistHead) else None)
     return out_dir

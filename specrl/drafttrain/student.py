@@ -145,8 +145,13 @@ def own_state(student: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in student.state_dict().items() if k.startswith(("model.layers.", "model.norm."))}
 
 
-def save_draft(student: nn.Module, out_dir: Path, arch: dict[str, Any], card: dict[str, Any]) -> Path:
-    """Write ``draft.safetensors`` (own tensors in bfloat16 + shortlist) and ``card.json``."""
+def save_draft(student: nn.Module, out_dir: Path, arch: dict[str, Any], card: dict[str, Any],
+               rank: Sequence[int] | None = None) -> Path:
+    """Write ``draft.safetensors`` (own tensors in bfloat16 + shortlist) and ``card.json``.
+
+    ``rank``: the shortlist ids most-useful first; stored as ``shortlist_rank`` so that a cheaper
+    head (a prefix of it) can be cut later without the training run (``load_draft(shortlist=N)``).
+    """
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -154,14 +159,23 @@ def save_draft(student: nn.Module, out_dir: Path, arch: dict[str, Any], card: di
     head = student.lm_head
     if isinstance(head, ShortlistHead):
         tensors["shortlist"] = head.ids.to(torch.int32).contiguous()
+        if rank is not None:
+            if sorted(int(i) for i in rank) != head.ids.tolist():
+                raise ConfigError("shortlist rank must be a permutation of the head's shortlist ids.")
+            tensors["shortlist_rank"] = torch.tensor(list(rank), dtype=torch.int32)
     save_file(tensors, str(out_dir / WEIGHTS), metadata={"arch": json.dumps(arch)})
     (out_dir / WEIGHTS).chmod(0o644)  # package data must be world-readable once installed
     (out_dir / CARD).write_text(json.dumps({"arch": arch, **card}, indent=1) + "\n")
     return out_dir
 
 
-def load_draft(draft_dir: Path, target: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    """Rebuild a saved draft on ``target``'s embedding and head (offline, < 1 s)."""
+def load_draft(draft_dir: Path, target: nn.Module, dtype: torch.dtype | None = None,
+               shortlist: int | None = None) -> nn.Module:
+    """Rebuild a saved draft on ``target``'s embedding and head (offline, < 1 s).
+
+    ``shortlist`` keeps only the top-N ids of a stored ``shortlist_rank`` (a cheaper head; the
+    layers do not depend on which ids the head scores).
+    """
     from safetensors import safe_open
 
     path = Path(draft_dir) / WEIGHTS
@@ -185,10 +199,19 @@ def load_draft(draft_dir: Path, target: nn.Module, dtype: torch.dtype | None = N
             f"{target.get_output_embeddings().weight.shape[0]}. Fix: load it with the target it was trained for "
             f"({arch.get('target', 'see card.json')})."
         )
-    shortlist = tensors.pop("shortlist", None)
+    ids = tensors.pop("shortlist", None)
+    rank = tensors.pop("shortlist_rank", None)
+    if shortlist is not None and ids is not None and shortlist < ids.numel():
+        if rank is None or not 0 < shortlist:
+            raise ConfigError(
+                f"Cannot cut draft {draft_dir} to a {shortlist}-id shortlist: "
+                f"{'it stores no shortlist ranking' if rank is None else 'the size must be > 0'}. "
+                f"Fix: load it whole (shortlist=None), or re-export it with a current `specrl draft export`."
+            )
+        ids = torch.sort(rank[:shortlist].long()).values
     dt = dtype or next(target.parameters()).dtype
     device = next(target.parameters()).device
-    student = build_student(target, arch["layers"], None if shortlist is None else shortlist.long(), dtype=dt)
+    student = build_student(target, arch["layers"], None if ids is None else ids.long(), dtype=dt)
     missing = set(own_state(student)) - set(tensors)
     if missing:
         raise ModelLoadError(f"Draft {draft_dir} lacks tensors {sorted(missing)[:4]}. Fix: re-export it.")

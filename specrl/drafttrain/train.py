@@ -123,6 +123,11 @@ def collate(seqs: Sequence[Sequence_], max_len: int) -> dict[str, torch.Tensor]:
             "top_i": torch.cat(ti), "top_v": torch.cat(tv)}
 
 
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A collated batch on the student's device (collation itself stays on the CPU)."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def student_logits(student: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """(M, S) shortlist logits (or (M, V) full) at the labelled positions."""
     hidden = student.model(input_ids=batch["ids"], attention_mask=batch["mask"]).last_hidden_state  # (B, L, H)
@@ -162,13 +167,15 @@ def evaluate(student: torch.nn.Module, seqs: Sequence[Sequence_], batch_tokens: 
              max_len: int = 2048) -> dict[str, Any]:
     """Top-1 / top-4 agreement with the target's argmax on ``seqs`` (teacher forcing), per category."""
     ids = head_ids(student)
+    device = next(student.parameters()).device
     per: dict[str, list[float]] = {}
     for idx in batches(seqs, batch_tokens, seed=0):
         batch = collate([seqs[i] for i in idx], max_len)
-        logits = student_logits(student, batch)  # (M, S)
+        logits = student_logits(student, to_device(batch, device))  # (M, S)
         top4 = logits.topk(4, dim=-1).indices
         if ids is not None:
             top4 = ids[top4]
+        top4 = top4.cpu()
         tgt = batch["top_i"][:, 0]
         a1 = (top4[:, 0] == tgt).float()
         a4 = (top4 == tgt[:, None]).any(-1).float()
@@ -221,7 +228,7 @@ class Trainer:
             raise ConfigError(f"No held-out shards in {data_dir}. Fix: run `specrl draft data` (or train) first.")
         self.heldout_eval = self.heldout[:: max(1, len(self.heldout) // cfg.eval_sequences)][: cfg.eval_sequences]
         ckpt = run_dir / "ckpt.pt"
-        self.state: dict[str, Any] = torch.load(ckpt, weights_only=False) if ckpt.exists() else {}
+        self.state: dict[str, Any] = torch.load(ckpt, weights_only=False, map_location="cpu") if ckpt.exists() else {}
         if "shortlist" in self.state:
             shortlist = self.state["shortlist"]
         elif cfg.shortlist:
@@ -239,9 +246,11 @@ class Trainer:
                                                      if i in chosen and i not in forced]
         else:
             shortlist = None
+        self.device = next(target.parameters()).device
         self.student = build_student(target, cfg.layers, shortlist, dtype=torch.float32)
         self.student.train()
-        self.lut = _lut(shortlist, self.vocab)
+        lut = _lut(shortlist, self.vocab)
+        self.lut = None if lut is None else lut.to(self.device)
         params = [p for p in self.student.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
         if "student" in self.state:
@@ -277,8 +286,8 @@ class Trainer:
         return seqs, batches(seqs, self.cfg.batch_tokens, self.cfg.seed * 1000 + self.state["epoch"])
 
     def save(self) -> None:
-        self.state["student"] = own_state(self.student)
-        self.state["opt"] = self.opt.state_dict()
+        self.state["student"] = {k: v.detach().cpu() for k, v in own_state(self.student).items()}
+        self.state["opt"] = self.opt.state_dict()  # torch.load(map_location="cpu") + load_state_dict move it back
         atomic_save(self.state, self.run_dir / "ckpt.pt")
 
     def eval_point(self, final: bool = False) -> dict[str, Any]:
@@ -314,10 +323,10 @@ class Trainer:
                 avg_tokens = labels / len(order)
                 st.setdefault("total_steps", max(1, int(cfg.train_tokens / avg_tokens)))
             for bi in range(st["batch_in_epoch"], len(order)):
-                batch = collate([seqs[i] for i in order[bi]], 2048)
+                batch = to_device(collate([seqs[i] for i in order[bi]], 2048), self.device)
                 for g in self.opt.param_groups:
                     g["lr"] = lr_at(st["step"], st["total_steps"], cfg)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
                     logits = student_logits(self.student, batch)  # (M, S)
                 loss, stats = distill_loss(logits, batch["top_i"], batch["top_v"], self.lut, cfg.hard_weight)
                 self.opt.zero_grad(set_to_none=True)
