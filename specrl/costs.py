@@ -211,14 +211,23 @@ class CostModel:
 
 def cost_path(model: str, draft: str | None, drafter: str, dtype: str = "auto", device: str = "auto") -> Path:
     """The cached profile for a model pair / drafter / requested dtype and device."""
+    import torch
+
+    from specrl.kernels import kernel_tag
     from specrl.models import cache_root, display_name
 
     d = Path(str(draft)).name if drafter == "model" and draft else "nodraft"
-    return cache_root() / "costs" / f"{display_name(model)}-{d}-{drafter}-{dtype}-{device}.json"
+    # a kernel change re-profiles instead of reusing stale costs; no CUDA check here: a replay-only
+    # run may read a profile made on another machine
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device in (None, "auto") else str(device).split(":")[0]
+    kern = kernel_tag(torch.device(dev))
+    return cache_root() / "costs" / f"{display_name(model)}-{d}-{drafter}-{dtype}-{device}-{kern}.json"
 
 
 def provenance(pair: Any, drafter: str) -> dict[str, Any]:
     import torch
+
+    from specrl.kernels import kernel_tag
 
     return {
         "target": pair.target_name,
@@ -228,6 +237,7 @@ def provenance(pair: Any, drafter: str) -> dict[str, Any]:
         "device": str(pair.device),
         "device_name": torch.cuda.get_device_name(0) if pair.device.type == "cuda" else platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
+        "kernels": kernel_tag(pair.device),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

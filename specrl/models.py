@@ -245,10 +245,13 @@ class ModelPair:
                     f"has {dv}: they cannot share a tokenizer. Fix: use a draft from the same model family."
                 )
         from specrl.attention import use_specrl_attention
+        from specrl.kernels import use_skinny_linear
 
         for m in (target, draft):
             if m is not None and hasattr(m, "set_attn_implementation"):
                 use_specrl_attention(m)
+            if m is not None:
+                use_skinny_linear(m)
         eos = getattr(target.generation_config, "eos_token_id", None) if hasattr(target, "generation_config") else None
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
