@@ -34,9 +34,9 @@ def student_from_run(
             raise ConfigError(f"Run {run_dir} has no shortlist ranking. Fix: export without --shortlist.")
         rank = rank[:shortlist]
         ids = torch.tensor(sorted(rank), dtype=torch.long)
-    student = build_student(target, cfg["layers"], ids, dtype=torch.float32)
+    student = build_student(target, cfg["layers"], ids, dtype=torch.float32, rank=rank if ids is not None else None)
     student.load_state_dict(state["student"], strict=False)
-    return student.eval(), {**cfg, "step": state["step"], "trained_tokens": state["tokens"], "_rank": rank}
+    return student.eval(), {**cfg, "step": state["step"], "trained_tokens": state["tokens"]}
 
 
 def evaluate_draft(pair: Any, data_dir: Path, run_dir: Path | None, draft_dir: Path | None,
@@ -63,7 +63,6 @@ def export_run(pair: Any, data_dir: Path, run_dir: Path, out_dir: Path, cpu_dtyp
     in next to a float32 CPU target when the CPU has fast bfloat16 (see ``shipped.runtime_dtype``).
     """
     student, cfg = student_from_run(pair.target, run_dir, shortlist)
-    rank = cfg.pop("_rank", None)
     res = evaluate(student, load_sequences(shard_files(data_dir, "heldout")))
     manifest_path = data_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
@@ -107,7 +106,7 @@ def export_run(pair: Any, data_dir: Path, run_dir: Path, out_dir: Path, cpu_dtyp
     }
     if "benchmark" in old:
         card["benchmark"] = old["benchmark"]
-    save_draft(student, out_dir, arch, card, rank=rank if hasattr(student.lm_head, "ids") else None)
+    save_draft(student, out_dir, arch, card)
     size = (out_dir / WEIGHTS).stat().st_size
     if size > 20 * 2**20:
         print(f"warning: {out_dir / WEIGHTS} is {size / 2**20:.1f} MiB (> 20 MiB budget for the shipped draft)")
@@ -122,25 +121,19 @@ def export_draft(target: torch.nn.Module, src: Path, out_dir: Path, shortlist: i
     ``arch.shortlist`` updated and a note; its held-out alpha was measured with the source head,
     so rerun ``benchmarks/draft_quality.py --card`` for the cut one.
     """
-    from safetensors import safe_open
-
     src, out_dir = Path(src), Path(out_dir)
     if src.resolve() == out_dir.resolve():
         raise ConfigError(f"--out {out_dir} is the source draft. Fix: export to a new directory.")
     card = json.loads((src / CARD).read_text()) if (src / CARD).is_file() else {}
     student = load_draft(src, target, dtype=torch.float32, shortlist=shortlist)
-    with safe_open(str(src / WEIGHTS), framework="pt") as f:
-        rank = f.get_tensor("shortlist_rank").tolist() if "shortlist_rank" in f.keys() else None  # noqa: SIM118
     head = student.lm_head
     arch = dict(card.pop("arch", {}))
     if isinstance(head, ShortlistHead):
         n = head.ids.numel()
-        if rank is not None:
-            rank = rank[:n]
         if int(arch.get("shortlist", n)) != n:
             card.setdefault("notes", []).append(
                 f"shortlist cut from {arch.get('shortlist')} to {n} ids (top of the stored ranking); "
                 "heldout alpha above is the uncut head's.")
         arch["shortlist"] = n
-    save_draft(student, out_dir, arch, card, rank=rank if isinstance(head, ShortlistHead) else None)
+    save_draft(student, out_dir, arch, card)
     return out_dir

@@ -41,11 +41,15 @@ class ShortlistHead(nn.Module):
     a contiguous copy of its ``ids`` rows, the only bytes read per forward.
     """
 
-    def __init__(self, weight: torch.Tensor, ids: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, rank: Sequence[int] | None = None) -> None:
         super().__init__()
         vocab = weight.shape[0]
         if ids.numel() == 0 or int(ids.max()) >= vocab or int(ids.min()) < 0:
             raise ConfigError(f"Shortlist ids must lie in [0, {vocab}) and be non-empty; got {ids.numel()} ids.")
+        if rank is not None and sorted(int(i) for i in rank) != ids.tolist():
+            raise ConfigError("shortlist rank must be a permutation of the head's shortlist ids.")
+        # the ids most-useful first (or None): saved with the draft so a cheaper head can be cut later
+        self.rank: list[int] | None = None if rank is None else [int(i) for i in rank]
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.register_buffer("ids", ids.long().clone(), persistent=False)  # (S,)
         self.register_buffer("sub_weight", weight.detach()[ids].clone(), persistent=False)  # (S, H)
@@ -91,7 +95,7 @@ def _retarget_layer(layer: nn.Module, idx: int) -> nn.Module:
 
 def build_student(
     target: nn.Module, layers: Sequence[int], shortlist: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, rank: Sequence[int] | None = None,
 ) -> nn.Module:
     """A ``LlamaForCausalLM`` with copies of target ``layers`` on the target's embedding and head.
 
@@ -133,7 +137,7 @@ def build_student(
         lm.weight = hw if isinstance(hw, nn.Parameter) else nn.Parameter(hw, requires_grad=False)
         student.lm_head = lm
     else:
-        student.lm_head = ShortlistHead(hw, shortlist.to(hw.device))
+        student.lm_head = ShortlistHead(hw, shortlist.to(hw.device), rank)
     student.model.embed_tokens.weight.requires_grad_(False)
     student.lm_head.weight.requires_grad_(False)
     student.generation_config = copy.deepcopy(target.generation_config)
@@ -145,12 +149,11 @@ def own_state(student: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in student.state_dict().items() if k.startswith(("model.layers.", "model.norm."))}
 
 
-def save_draft(student: nn.Module, out_dir: Path, arch: dict[str, Any], card: dict[str, Any],
-               rank: Sequence[int] | None = None) -> Path:
+def save_draft(student: nn.Module, out_dir: Path, arch: dict[str, Any], card: dict[str, Any]) -> Path:
     """Write ``draft.safetensors`` (own tensors in bfloat16 + shortlist) and ``card.json``.
 
-    ``rank``: the shortlist ids most-useful first; stored as ``shortlist_rank`` so that a cheaper
-    head (a prefix of it) can be cut later without the training run (``load_draft(shortlist=N)``).
+    A shortlist head's ranking (ids most-useful first) is stored as ``shortlist_rank`` so that a
+    cheaper head (a prefix of it) can be cut later without the training run (``load_draft(shortlist=N)``).
     """
     from safetensors.torch import save_file
 
@@ -159,10 +162,8 @@ def save_draft(student: nn.Module, out_dir: Path, arch: dict[str, Any], card: di
     head = student.lm_head
     if isinstance(head, ShortlistHead):
         tensors["shortlist"] = head.ids.to(torch.int32).contiguous()
-        if rank is not None:
-            if sorted(int(i) for i in rank) != head.ids.tolist():
-                raise ConfigError("shortlist rank must be a permutation of the head's shortlist ids.")
-            tensors["shortlist_rank"] = torch.tensor(list(rank), dtype=torch.int32)
+        if head.rank is not None:
+            tensors["shortlist_rank"] = torch.tensor(head.rank, dtype=torch.int32)
     save_file(tensors, str(out_dir / WEIGHTS), metadata={"arch": json.dumps(arch)})
     (out_dir / WEIGHTS).chmod(0o644)  # package data must be world-readable once installed
     (out_dir / CARD).write_text(json.dumps({"arch": arch, **card}, indent=1) + "\n")
@@ -200,7 +201,8 @@ def load_draft(draft_dir: Path, target: nn.Module, dtype: torch.dtype | None = N
             f"({arch.get('target', 'see card.json')})."
         )
     ids = tensors.pop("shortlist", None)
-    rank = tensors.pop("shortlist_rank", None)
+    stored_rank = tensors.pop("shortlist_rank", None)
+    rank = None if stored_rank is None else stored_rank.tolist()
     if shortlist is not None and ids is not None and shortlist < ids.numel():
         if rank is None or not 0 < shortlist:
             raise ConfigError(
@@ -208,10 +210,11 @@ def load_draft(draft_dir: Path, target: nn.Module, dtype: torch.dtype | None = N
                 f"{'it stores no shortlist ranking' if rank is None else 'the size must be > 0'}. "
                 f"Fix: load it whole (shortlist=None), or re-export it with a current `specrl draft export`."
             )
-        ids = torch.sort(rank[:shortlist].long()).values
+        rank = rank[:shortlist]
+        ids = torch.tensor(sorted(rank), dtype=torch.long)
     dt = dtype or next(target.parameters()).dtype
     device = next(target.parameters()).device
-    student = build_student(target, arch["layers"], None if ids is None else ids.long(), dtype=dt)
+    student = build_student(target, arch["layers"], None if ids is None else ids.long(), dtype=dt, rank=rank)
     missing = set(own_state(student)) - set(tensors)
     if missing:
         raise ModelLoadError(f"Draft {draft_dir} lacks tensors {sorted(missing)[:4]}. Fix: re-export it.")
