@@ -1,0 +1,157 @@
+"""How much of the oracle's lead over `goodput` could a better acceptance predictor win?
+
+The learned policy sits level with the `goodput` rule in replay (README); the clairvoyant
+oracle leads it by a few percent. `goodput` plans with the same cost model that charges the
+time, so its only weakness is its acceptance estimate: per-depth EMAs of the batch, scaled by
+the fraction of rows with an n-gram match. This benchmark replaces that estimate with a
+per-row predictor fitted on the *training* prompts' traces and plugs it into the same
+myopic argmax, on held-out prompts:
+
+* ``pred:match``: E[accepted | match length, number of matches] per row and action (what the
+  observation's n-gram fields carry, but per row instead of as a batch mean);
+* ``pred:match+run``: also the row's copy run (how many of its latest tokens the 1-token
+  lookup predicted: the "earlier success rate" of the match, observable from history);
+
+E[committed tokens] of an action = sum over rows of min(E[accepted] + 1, tokens left), step
+time from the cost model with the drafted tree the rows actually propose (observable: the
+n-gram drafter knows what it drafted before the verify). If even these per-row predictors
+stay near `goodput`, the gap to the oracle is unpredictable noise for a batch-level (k, w)
+action, and no observation feature will close it.
+
+Usage: python benchmarks/headroom.py [--env envs/replay.yaml] [--seeds 3]
+Final line: {"goodput": g, "pred_match_run": p, "oracle": o, "pred_over_goodput": p / g}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+import _common  # noqa: F401  (offline env vars, repo on sys.path)
+import numpy as np
+
+from specrl.envs.config import load_env_config
+from specrl.envs.replay import load_replay_data
+from specrl.envs.vector import SpecReplayVecEnv
+from specrl.evaluate import evaluate, parse_loads
+
+ML_EDGES = np.arange(1, 7)  # match length 0..6+
+NM_EDGES = np.array([1, 2, 3, 5, 9])  # number of earlier matches
+RUN_EDGES = np.array([1, 2, 3, 5, 9, 17])  # copy run
+
+
+def copy_run(tables, a11: int) -> np.ndarray:
+    """(R,) per trace row: how many tokens right before this position the 1-token n-gram lookup
+    predicted in a row (0 = the previous token was not predicted)."""
+    hit = tables.accept[:, a11] > 0
+    run = np.zeros(len(hit), np.int64)
+    for p in range(len(tables.prompt_len)):
+        r = 0
+        for row in range(int(tables.offsets[p]), int(tables.offsets[p + 1])):
+            run[row] = r
+            r = r + 1 if hit[row] else 0
+    return run
+
+
+def bucket_ids(tables, run: np.ndarray | None) -> tuple[np.ndarray, int]:
+    """(R,) bucket of every trace row and the number of buckets."""
+    ml = np.digitize(np.nan_to_num(tables.match_len), ML_EDGES)
+    nm = np.digitize(np.nan_to_num(tables.num_matches), NM_EDGES)
+    ids = ml * (len(NM_EDGES) + 1) + nm
+    n = (len(ML_EDGES) + 1) * (len(NM_EDGES) + 1)
+    if run is not None:
+        ids = ids * (len(RUN_EDGES) + 1) + np.digitize(run, RUN_EDGES)
+        n *= len(RUN_EDGES) + 1
+    return ids, n
+
+
+def fit(tables, train_rows: np.ndarray, ids: np.ndarray, n: int, prior: float = 5.0) -> np.ndarray:
+    """(R, A) predicted accepted tokens per row and action: bucket means over the training
+    prompts' rows, shrunk towards the global mean by ``prior`` pseudo-counts."""
+    y = tables.accept[train_rows].astype(np.float64)  # (T, A)
+    b = ids[train_rows]
+    cnt = np.bincount(b, minlength=n).astype(np.float64)
+    sums = np.stack([np.bincount(b, y[:, a], minlength=n) for a in range(y.shape[1])], 1)  # (n, A)
+    means = (sums + prior * y.mean(0)) / (cnt[:, None] + prior)
+    return means[ids]  # (R, A)
+
+
+def run_predictor(cfg, loads, seeds: list[int], pred: np.ndarray) -> dict[str, float]:
+    """Goodput (tokens / s) per load label of the myopic argmax with per-row predictions."""
+    out: dict[str, float] = {}
+    for ld in loads:
+        vec = SpecReplayVecEnv(replace(cfg, workload=replace(cfg.workload, arrival=ld.arrival)), len(seeds))
+        vec.set_levels([ld.level() for _ in seeds])
+        vec.seed_each(seeds)
+        vec.reset()
+        n_act = len(vec.actions_kw)
+        n_w = len(cfg.w_choices)
+        done_eps: dict[int, float] = {}
+        while len(done_eps) < len(seeds):
+            valid = vec.active
+            rows = np.where(valid, vec.tables.offsets[vec.trow] + vec.pos, 0)  # (N, S)
+            left = vec.limit - vec.pos
+            score = np.zeros((vec.num_envs, n_act))
+            for a in range(n_act):
+                dt = vec._outcome(np.full(vec.num_envs, a))["dt"]
+                tok = np.where(valid, np.minimum(pred[rows, a] + 1.0, left), 0.0).sum(1)
+                score[:, a] = tok / np.maximum(dt, 1e-12)
+            best = score.argmax(1)
+            vec.step_async(np.stack([best // n_w, best % n_w], 1))
+            _, _, dones, infos = vec.step_wait()
+            for i in np.flatnonzero(dones):
+                if int(i) not in done_eps:
+                    done_eps[int(i)] = infos[i]["episode_summary"]["goodput"]
+        out[ld.label] = float(np.mean(list(done_eps.values())))
+    return out
+
+
+def geomean(xs: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(xs))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--env", default="envs/replay.yaml")
+    ap.add_argument("--loads", default="closed:1,2,4,8,16")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--horizon", type=float, default=30.0, help="simulated seconds per episode (the eval's)")
+    args = ap.parse_args()
+    base = load_env_config(args.env)
+    if base.drafter != "ngram":
+        raise SystemExit(f"drafter={base.drafter!r}: this analysis models the n-gram drafter's match statistics. "
+                         "Fix: use an n-gram env preset (envs/replay.yaml).")
+    test_cfg = replace(base, prompt_split="test", horizon_s=args.horizon)
+    _, _, train_prompt_rows, tables = load_replay_data(replace(base, prompt_split="train"))
+    train_rows = np.concatenate([np.arange(tables.offsets[r], tables.offsets[r + 1]) for r in train_prompt_rows])
+    a11 = tables.actions.index((1, 1))
+    run = copy_run(tables, a11)
+    loads = parse_loads(args.loads.split())
+    seeds = list(range(args.seeds))
+    res = evaluate(test_cfg, ["goodput", "oracle"], loads, seeds, None, progress=False)
+    by_load = {lab: dict(v) for lab, v in res["by_load"].items()}
+    for name, use_run in (("pred:match", False), ("pred:match+run", True)):
+        ids, n = bucket_ids(tables, run if use_run else None)
+        got = run_predictor(test_cfg, loads, seeds, fit(tables, train_rows, ids, n))
+        for lab, g in got.items():
+            by_load[lab][name] = g
+    names = ["goodput", "pred:match", "pred:match+run", "oracle"]
+    print(f"held-out prompts, {args.seeds} arrival seeds, goodput in tokens/s (replay); "
+          f"predictors fitted on {len(train_rows)} training-prompt positions")
+    print("| load | " + " | ".join(f"`{n}`" for n in names) + " | match+run / goodput | oracle / goodput |")
+    print("|---" * (len(names) + 3) + "|")
+    for lab in by_load:
+        row = by_load[lab]
+        print(f"| {lab} | " + " | ".join(f"{row[n]:.2f}" for n in names)
+              + f" | {row['pred:match+run'] / row['goodput']:.3f} | {row['oracle'] / row['goodput']:.3f} |")
+    gm = {n: geomean([by_load[lab][n] for lab in by_load]) for n in names}
+    print("| geometric mean | " + " | ".join(f"{gm[n]:.2f}" for n in names)
+          + f" | {gm['pred:match+run'] / gm['goodput']:.3f} | {gm['oracle'] / gm['goodput']:.3f} |")
+    print(json.dumps({"goodput": round(gm["goodput"], 3), "pred_match": round(gm["pred:match"], 3),
+                      "pred_match_run": round(gm["pred:match+run"], 3), "oracle": round(gm["oracle"], 3),
+                      "pred_over_goodput": round(gm["pred:match+run"] / gm["goodput"], 4)}))
+
+
+if __name__ == "__main__":
+    main()
