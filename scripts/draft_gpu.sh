@@ -12,7 +12,16 @@
 #
 # Everything lands in OUT_DIR: one exported draft per variant (draft.safetensors + card.json
 # with the learning curve) and the logs. Environment overrides: MODEL, DEVICE, DATA_SEC,
-# TRAIN_MIN, EPOCHS, LAYERS ("0,1 0,29"), SHORTLIST, LR, BATCH_TOKENS, ROUNDS, SPECRL.
+# TRAIN_MIN, EPOCHS, LAYERS ("0,1 0,29"), SHORTLIST, LR, BATCH_TOKENS, ROUNDS, SAMPLES,
+# GEN_BATCH, TOKEN_BUDGET, SPECRL.
+#
+# Generation throughput: a generate call costs one sequential step per new token whatever its
+# rows, and the run of 2026-12-04 (512 rows, 400k-token budget, 1 sample) made only 1.6-2.1k
+# labelled tokens/s on an H200 because ~420 training prompts fill a few small calls per round.
+# SAMPLES continuations per prompt in one call (sampled rounds) fill the rows instead. Memory:
+# SmolLM2-135M's float32 KV cache is ~46 KB per token, so TOKEN_BUDGET (rows x width per call)
+# 1.5M needs ~70 GB of cache plus ~1 GB of logits per step at 4096 rows. Not yet run at these
+# sizes (no GPU since); if the first call runs out of memory, halve TOKEN_BUDGET.
 set -uo pipefail
 OUT=${1:?usage: scripts/draft_gpu.sh OUT_DIR SPEC_BENCH.jsonl MT_BENCH.jsonl}
 SPEC=${2:?spec-bench question.jsonl}
@@ -27,10 +36,14 @@ SHORTLIST=${SHORTLIST:-16384}
 LR=${LR:-1e-3}
 BATCH_TOKENS=${BATCH_TOKENS:-32768}
 ROUNDS=${ROUNDS:-400}
+SAMPLES=${SAMPLES:-8}
+GEN_BATCH=${GEN_BATCH:-4096}
+TOKEN_BUDGET=${TOKEN_BUDGET:-1500000}
 SPECRL=${SPECRL:-python3 -m specrl}
 mkdir -p "$OUT"
 DATA=(--model "$MODEL" --device "$DEVICE" --prompts builtin --prompts "$SPEC" --prompts "$MT"
-      --gen-dtype float32 --gen-batch-size 512 --token-budget 400000 --rounds "$ROUNDS" --no-progress)
+      --gen-dtype float32 --gen-batch-size "$GEN_BATCH" --token-budget "$TOKEN_BUDGET" --rounds "$ROUNDS"
+      --samples "$SAMPLES" --no-progress)
 
 start=$(date +%s)
 timeout "$DATA_SEC" $SPECRL draft data "${DATA[@]}" 2>&1 | tee "$OUT/data.log"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import save_tiny, tiny_llama
 
-from specrl.drafttrain.data import DataConfig, plan_shards
+from specrl.drafttrain.data import DataConfig, generate_batch, plan_shards, score_batch
 from specrl.drafttrain.student import ShortlistHead, build_student, load_draft, shortlist_from_counts
 from specrl.drafttrain.train import TrainConfig, distill_loss, lr_at
 from specrl.engine import Action, SpecEngine
@@ -67,6 +67,41 @@ def test_plan_shards_respects_budget():
     for s in shards:
         assert len(s) <= 4
         assert len(s) == 1 or len(s) * max(lengths[i] + 10 for i in s) <= 100
+
+
+def test_plan_shards_counts_copies_as_rows():
+    cfg = DataConfig(max_new_tokens=10, batch_size=8, token_budget=10_000)
+    shards = plan_shards([5] * 10, cfg, copies=4)
+    assert [len(s) for s in shards] == [2, 2, 2, 2, 2]  # 2 prompts x 4 samples = 8 rows per batch
+
+
+def test_generate_batch_samples_keep_prompts_and_labels_aligned():
+    """samples > 1: every continuation sits after its own prompt and its labels are the target's
+    log-probs at that position (teacher-forced scoring of the output reproduces them)."""
+    torch.manual_seed(0)
+    target = tiny_llama(vocab=48, dtype=torch.float32).eval()
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    cfg = DataConfig(max_new_tokens=6, topk=4)
+    out = generate_batch(target, prompts, cfg, temperature=1.0, seed=3, eos_ids=[], pad_id=0, samples=3)
+    assert out["seq_len"].tolist() == [9, 9, 9, 11, 11, 11] and out["prompt_len"].tolist() == [3] * 3 + [5] * 3
+    seqs, t0 = [], 0
+    for sl in out["seq_len"].tolist():
+        seqs.append(out["tokens"][t0 : t0 + sl].tolist())
+        t0 += sl
+    assert [q[:3] for q in seqs[:3]] == [prompts[0]] * 3 and [q[:5] for q in seqs[3:]] == [prompts[1]] * 3
+    assert len({tuple(q) for q in seqs[:3]}) > 1  # sampled: the three continuations differ
+    ref = score_batch(target, seqs, 4, pad_id=0)  # labels for every token after the first
+    m_gen = m_ref = 0
+    for q, pl in zip(seqs, out["prompt_len"].tolist()):
+        g = len(q) - pl
+        skip = pl - 1  # score_batch also labels the prompt's own tokens
+        assert torch.equal(out["top_i"][m_gen : m_gen + g], ref["top_i"][m_ref + skip : m_ref + skip + g])
+        assert torch.allclose(out["top_v"][m_gen : m_gen + g].float(), ref["top_v"][m_ref + skip : m_ref + skip + g].float(),
+                              atol=2e-3)
+        m_gen += g
+        m_ref += len(q) - 1
+    with pytest.raises(ConfigError, match="samples=1 for greedy"):
+        generate_batch(target, prompts, cfg, temperature=0.0, seed=3, eos_ids=[], pad_id=0, samples=2)
 
 
 def test_distill_loss_prefers_target_argmax():

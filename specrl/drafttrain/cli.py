@@ -44,6 +44,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=int, default=8192, help="rows x (prompt + new tokens) per generation batch")
     p.add_argument("--gen-dtype", default="bfloat16", help="target dtype for generating data")
     p.add_argument("--rounds", type=int, default=2, help="sampled rounds over the train prompts after the greedy one")
+    p.add_argument("--samples", type=int, default=1,
+                   help="continuations per prompt per generate call in sampled rounds (GPU: 8-16 fills the batch)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]: where the target and student run")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -100,12 +102,15 @@ def _data_config(args: argparse.Namespace) -> Any:
     for src in args.prompts or ["builtin"]:
         if src != "builtin" and not Path(src).expanduser().is_file():
             raise ConfigError(f"--prompts {src!r} does not exist. Fix: pass an existing jsonl / text file or 'builtin'.")
+    if args.samples < 1:
+        raise ConfigError(f"--samples {args.samples} is invalid. Allowed: >= 1 (1 = one continuation per prompt "
+                          "per sampled round).")
     if not 0.0 < args.held_out < 1.0:
         raise ConfigError(f"--held-out {args.held_out} is invalid. Allowed: 0 < x < 1, e.g. 0.25.")
     return DataConfig(
         sources=tuple(args.prompts or ["builtin"]), held_out=args.held_out, split_seed=args.split_seed,
         max_new_tokens=args.max_new_tokens, topk=args.topk, batch_size=args.gen_batch_size,
-        token_budget=args.token_budget, dtype=args.gen_dtype, rounds=args.rounds,
+        token_budget=args.token_budget, dtype=args.gen_dtype, rounds=args.rounds, samples=args.samples,
     )
 
 

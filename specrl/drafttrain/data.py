@@ -52,11 +52,15 @@ class DataConfig:
     rounds: int = 2  # sampled rounds over the train prompts after the greedy one
     temperatures: tuple[float, ...] = (0.7, 1.0)
     top_p: float = 0.95
+    samples: int = 1  # continuations per prompt in one generate call of a sampled stage
 
     def fingerprint(self) -> dict[str, Any]:
-        """The fields that change existing shards (``rounds`` only adds stages)."""
+        """The fields that change existing shards (``rounds`` only adds stages; ``samples`` only
+        when it is not 1, so data made before the field existed still resumes)."""
         d = asdict(self)
         d.pop("rounds")
+        if d["samples"] == 1:
+            d.pop("samples")
         d["sources"] = [_source_id(s) for s in self.sources]
         return d
 
@@ -119,14 +123,18 @@ def stages(cfg: DataConfig) -> list[Stage]:
     return out
 
 
-def plan_shards(lengths: Sequence[int], cfg: DataConfig) -> list[list[int]]:
-    """Prompt indices per generation batch: sorted by length (little padding), token-budgeted."""
+def plan_shards(lengths: Sequence[int], cfg: DataConfig, copies: int = 1) -> list[list[int]]:
+    """Prompt indices per generation batch: sorted by length (little padding), token-budgeted.
+
+    ``copies``: rows each prompt becomes (sampled stages generate ``cfg.samples`` continuations
+    per prompt in one call); ``batch_size`` and ``token_budget`` count rows."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     shards: list[list[int]] = []
     cur: list[int] = []
     for i in order:
         width = lengths[i] + cfg.max_new_tokens
-        if cur and (len(cur) + 1 > cfg.batch_size or (len(cur) + 1) * width > cfg.token_budget):
+        rows = (len(cur) + 1) * copies
+        if cur and (rows > cfg.batch_size or rows * width > cfg.token_budget):
             shards.append(cur)
             cur = []
         cur.append(i)
@@ -164,13 +172,22 @@ def generate_batch(
     seed: int,
     eos_ids: Sequence[int],
     pad_id: int,
+    samples: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Continue ``prompts`` with the target; return flat tokens and per-position labels.
 
     Returns ``tokens`` (sum of lengths,) int32, ``seq_len`` / ``prompt_len`` (S,) int32 and
     ``top_i`` (M, K) int32 / ``top_v`` (M, K) float16 for the M generated tokens in order: row
     m holds the target's log-probs over the token that was generated at that position.
+
+    ``samples`` > 1 (sampling only): that many continuations per prompt in the same call
+    (sequence s continues prompt s // samples). Why: a generate call costs one sequential step
+    per new token whatever its rows, so on a GPU more rows per call is nearly free throughput;
+    distinct prompts run out long before the rows do (~420 training prompts here).
     """
+    if samples > 1 and temperature <= 0:
+        raise ConfigError(f"samples={samples} needs sampling (temperature > 0): greedy continuations of one prompt "
+                          "are identical. Fix: samples=1 for greedy stages.")
     bsz, width = len(prompts), max(len(p) for p in prompts)
     x = torch.full((bsz, width), pad_id, dtype=torch.long)
     am = torch.zeros((bsz, width), dtype=torch.long)
@@ -184,18 +201,20 @@ def generate_batch(
     torch.manual_seed(seed)
     kw: dict[str, Any] = {"do_sample": False}
     if temperature > 0:
-        kw = {"do_sample": True, "temperature": temperature, "top_p": cfg.top_p, "top_k": 0}
+        kw = {"do_sample": True, "temperature": temperature, "top_p": cfg.top_p, "top_k": 0,
+              "num_return_sequences": samples}
     try:
         out = model.generate(x, attention_mask=am, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad_id,
                              eos_token_id=list(eos_ids) or None, **kw)
     finally:
         handle.remove()
-    gen = out[:, width:].cpu()  # (B, G)
-    vals = torch.stack(rec.vals[: gen.shape[1]], dim=1).cpu()  # (B, G, K)
+    gen = out[:, width:].cpu()  # (B * samples, G)
+    vals = torch.stack(rec.vals[: gen.shape[1]], dim=1).cpu()  # (B * samples, G, K)
     idx = torch.stack(rec.idx[: gen.shape[1]], dim=1).cpu()
     eos = set(eos_ids)
     tokens, seq_len, prompt_len, top_v, top_i = [], [], [], [], []
-    for b, p in enumerate(prompts):
+    for b in range(gen.shape[0]):
+        p = prompts[b // samples]
         g = gen[b].tolist()
         n = next((j + 1 for j, t in enumerate(g) if t in eos), len(g))  # keep the EOS itself
         tokens += list(p) + g[:n]
@@ -299,7 +318,8 @@ def build_data(
         if stage.text:
             ids = [i for i in ids if len(i) >= 2]
             plist = [p for p in plist if len(enc[id(p)][-limit:]) >= 2]
-        shards = plan_shards([len(i) for i in ids], replace(cfg, max_new_tokens=0) if stage.text else cfg)
+        copies = cfg.samples if stage.temperature > 0 and not stage.text else 1
+        shards = plan_shards([len(i) for i in ids], replace(cfg, max_new_tokens=0) if stage.text else cfg, copies)
         todo = [s for s in range(len(shards)) if not _shard_path(data_dir, stage, s).exists()]
         if not todo:
             continue
@@ -316,9 +336,9 @@ def build_data(
                 out = score_batch(pair.target, [ids[i] for i in rows], cfg.topk, pad)
             else:
                 out = generate_batch(pair.target, [ids[i] for i in rows], cfg, stage.temperature,
-                                     stage.seed * 100_003 + s, eos, pad)
-            out["category"] = [plist[i].category for i in rows]
-            out["qid"] = [plist[i].qid for i in rows]
+                                     stage.seed * 100_003 + s, eos, pad, copies)
+            out["category"] = [plist[i].category for i in rows for _ in range(copies)]
+            out["qid"] = [plist[i].qid for i in rows for _ in range(copies)]
             out["stage"] = stage.name
             out["format"] = SHARD_FORMAT
             atomic_save(out, _shard_path(data_dir, stage, s))
