@@ -23,8 +23,12 @@ draft tree packed at its own size instead of padded to the union of the batch's 
 charged as a padded pass of the same total tokens (the cost grid interpolated at the mean
 tree size; on these CPUs the linear layers dominate and cost by total rows), and per-row
 actions chosen by the same predictors (Dinkelbach iterations on tokens / step time), beside
-`goodput` and the batch-level oracle run in that same ragged world. Not an engine
-measurement: it sizes what building the ragged verify could win.
+`goodput`, the batch-level oracle and the same predictor restricted to one action per batch
+(the control that isolates what per-row actions add), all in that same ragged world. Not an
+engine measurement: it sizes what building the ragged verify could win. Caveat: it inherits
+the profiled grid's shape, which is not monotone everywhere (e.g. where a 1-token pass takes
+the few-row kernel and a 2-token pass does not), and interpolating between such points can
+flatter light drafting.
 
 Usage: python benchmarks/headroom.py [--env envs/replay.yaml] [--seeds 3] [--ragged]
 Final line: {"goodput": g, "pred_match_run": p, "oracle": o, "pred_over_goodput": p / g, ...}
@@ -141,7 +145,7 @@ class RaggedVec(SpecReplayVecEnv):
         ctx = np.where(valid, self.plen + self.pos, 0).astype(np.float64)
         ctx_mean = ctx.sum(1) / np.maximum(batch, 1)
         newv = self.new & valid
-        drafted = (self.actions_kw[a_row, 0] > 0).any(1) & (row_tokens > 1).any(1)
+        drafted = (self.actions_kw[a_row, 0] > 0).any(1)  # lookups are paid even when they find nothing
         lo, frac = np.floor(mean_tok), mean_tok - np.floor(mean_tok)
         levels = np.zeros((self.num_envs, self.depth_masks.shape[1]))  # n-gram drafter: unused
 
@@ -252,16 +256,17 @@ def ragged_section(test_cfg, loads, seeds: list[int], preds: dict[str, np.ndarra
             score[:, a] = o["committed"].sum(1) / np.maximum(o["dt"], 1e-12)
         return score.argmax(1)
 
-    def per_row(pred: np.ndarray | None):
+    def per_row(pred: np.ndarray | None, iters: int = 4):
         def decide(vec: RaggedVec, obs: np.ndarray) -> np.ndarray:
             valid = vec.active
             rows = np.where(valid, vec.tables.offsets[vec.trow] + vec.pos, 0)
             left = (vec.limit - vec.pos)[..., None]
             base = vec.tables.accept[rows].astype(np.float64) if pred is None else pred[rows]  # (N, S, A)
-            return row_choice(vec, np.where(valid[..., None], np.minimum(base + 1.0, left), 0.0))
+            return row_choice(vec, np.where(valid[..., None], np.minimum(base + 1.0, left), 0.0), iters)
         return decide
 
     policies = {"goodput": rule("goodput"), "oracle (batch)": batch_oracle}
+    policies.update({f"batch {name}": per_row(p, iters=-1) for name, p in preds.items()})  # control: one action
     policies.update({f"per-row {name}": per_row(p) for name, p in preds.items()})
     policies["per-row clairvoyant"] = per_row(None)
     for name, fn in policies.items():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import save_tiny, tiny_llama
 
-from specrl.drafttrain.data import DataConfig, generate_batch, plan_shards, score_batch
+from specrl.drafttrain.data import DataConfig, check_manifest, generate_batch, plan_shards, score_batch
 from specrl.drafttrain.student import ShortlistHead, build_student, load_draft, shortlist_from_counts
 from specrl.drafttrain.train import TrainConfig, distill_loss, lr_at
 from specrl.engine import Action, SpecEngine
@@ -102,6 +102,19 @@ def test_generate_batch_samples_keep_prompts_and_labels_aligned():
         m_ref += len(q) - 1
     with pytest.raises(ConfigError, match="samples=1 for greedy"):
         generate_batch(target, prompts, cfg, temperature=0.0, seed=3, eos_ids=[], pad_id=0, samples=2)
+
+
+def test_manifest_refuses_to_resume_with_other_samples(tmp_path):
+    """Shards of sampled stages hold other prompts when ``samples`` changes: no silent resume,
+    in either direction, and data made before the field existed still resumes with samples=1."""
+    check_manifest(tmp_path / "a", DataConfig(samples=8), "t")
+    with pytest.raises(ConfigError, match="samples"):
+        check_manifest(tmp_path / "a", DataConfig(samples=1), "t")
+    check_manifest(tmp_path / "b", DataConfig(), "t")
+    assert "samples" not in json.loads((tmp_path / "b" / "manifest.json").read_text())
+    check_manifest(tmp_path / "b", DataConfig(samples=1), "t")
+    with pytest.raises(ConfigError, match="samples"):
+        check_manifest(tmp_path / "b", DataConfig(samples=2), "t")
 
 
 def test_distill_loss_prefers_target_argmax():

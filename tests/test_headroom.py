@@ -5,6 +5,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from test_replay import tiny_traces  # noqa: F401  (module fixture: traces of the tiny pair)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -45,3 +46,48 @@ def test_buckets_separate_run_lengths():
     ids0, n0 = headroom.bucket_ids(tb, None)
     assert n == n0 * (len(headroom.RUN_EDGES) + 1)
     assert len(set(ids.tolist())) > len(set(ids0.tolist())) == 1
+
+
+def test_ragged_env_and_row_choice_on_tiny_traces(tiny_traces, tiny_pair_dirs, isolated_cache):
+    """RaggedVec commits what the padded env commits (same rows, same actions) at most its step
+    time; a per-row choice scored on actual outcomes is never worse than the best batch action."""
+    from test_replay import _write, replay_cfg
+
+    from specrl.envs.config import load_env_config
+    from specrl.envs.vector import SpecReplayVecEnv
+
+    _, prompts, tr = tiny_traces
+    cfg = load_env_config(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], prompts=_write(prompts, isolated_cache),
+                                     horizon_s=3.0, workload={"arrival": "closed", "concurrency": [4],
+                                                              "max_new_tokens": 40}))
+    pad, rag = SpecReplayVecEnv(cfg, 2), headroom.RaggedVec(cfg, 2)
+    for env in (pad, rag):
+        env.seed(7)
+        env.reset()
+    n_w = len(cfg.w_choices)
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(40):
+        a = rng.integers(0, len(pad.actions_kw), size=2)
+        p, r = pad._outcome(a), rag._outcome(a)
+        assert np.array_equal(p["committed"], r["committed"])
+        assert np.all(r["dt"] <= p["dt"] + 1e-12)
+        # per-row choice on the actual outcomes vs every batch-level action, exactly timed
+        valid = rag.active
+        rows = np.where(valid, rag.tables.offsets[rag.trow] + rag.pos, 0)
+        value = np.where(valid[..., None], np.minimum(rag.tables.accept[rows] + 1.0, (rag.limit - rag.pos)[..., None]),
+                         0.0)
+        choice = headroom.row_choice(rag, value)
+        rag.row_actions = choice
+        out = rag._outcome(np.zeros(2, np.int64))
+        got = out["committed"].sum(1) / out["dt"]
+        batch_g = []
+        for b in range(len(rag.actions_kw)):
+            o = rag._outcome(np.full(2, b))
+            batch_g.append(o["committed"].sum(1) / o["dt"])
+        assert np.all(got >= np.max(batch_g, axis=0) - 1e-9)
+        checked += int(valid.any())
+        for env in (pad, rag):
+            env.step_async(np.stack([a // n_w, a % n_w], 1))
+            env.step_wait()
+    assert checked > 20

@@ -102,9 +102,9 @@ def _data_config(args: argparse.Namespace) -> Any:
     for src in args.prompts or ["builtin"]:
         if src != "builtin" and not Path(src).expanduser().is_file():
             raise ConfigError(f"--prompts {src!r} does not exist. Fix: pass an existing jsonl / text file or 'builtin'.")
-    if args.samples < 1:
-        raise ConfigError(f"--samples {args.samples} is invalid. Allowed: >= 1 (1 = one continuation per prompt "
-                          "per sampled round).")
+    if not 1 <= args.samples <= args.gen_batch_size:
+        raise ConfigError(f"--samples {args.samples} is invalid. Allowed: 1 (one continuation per prompt per sampled "
+                          f"round) to --gen-batch-size ({args.gen_batch_size}): one call holds all of a prompt's samples.")
     if not 0.0 < args.held_out < 1.0:
         raise ConfigError(f"--held-out {args.held_out} is invalid. Allowed: 0 < x < 1, e.g. 0.25.")
     return DataConfig(

@@ -284,6 +284,9 @@ def check_manifest(data_dir: Path, cfg: DataConfig, target_name: str) -> None:
     path = data_dir / "manifest.json"
     if path.exists():
         have = json.loads(path.read_text())
+        # `samples` is written only when it is not 1 (older manifests lack it): compare it always
+        have.setdefault("samples", 1)
+        want = {**want, "samples": cfg.samples}
         diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
         if diff:
             raise ConfigError(
