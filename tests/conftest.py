@@ -94,3 +94,23 @@ def tiny_replay_env(tiny_pair_dirs, tmp_path_factory):
         os.environ.pop("SPECRL_CACHE_DIR", None)
     else:
         os.environ["SPECRL_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_traces(tiny_pair_dirs, tmp_path_factory):
+    """Traces for 16 built-in prompts with both drafters (float64: no numerical near-ties); shared by
+    the replay and headroom tests."""
+    from specrl.models import ModelPair
+    from specrl.prompts import load_prompts
+    from specrl.traces import collect_traces
+
+    target, draft = tiny_pair_dirs
+    pair = ModelPair.load(target, draft=draft, device="cpu", dtype="float64")
+    prompts = load_prompts("builtin")[::6]
+    out = {}
+    for drafter in ("ngram", "model"):
+        path = tmp_path_factory.mktemp("tr") / f"tiny-{drafter}"
+        out[drafter] = collect_traces(pair, prompts, drafter, max_new_tokens=40, batch_size=4, progress=False,
+                                      out=path)
+        out[drafter + "_path"] = path
+    return pair, prompts, out

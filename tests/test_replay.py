@@ -9,28 +9,11 @@ import pytest
 
 from specrl.engine import Action, SpecEngine
 from specrl.errors import ConfigError, TraceError
-from specrl.models import ModelPair
-from specrl.prompts import load_prompts
 from specrl.replay import ReplayBackend, ReplayTables, action_table
 from specrl.serving import LiveBackend
-from specrl.traces import Traces, collect_traces
+from specrl.traces import Traces
 
 K, W = [0, 1, 2, 4, 6], [1, 2, 3]
-
-
-@pytest.fixture(scope="module")
-def tiny_traces(tiny_pair_dirs, tmp_path_factory):
-    """Traces for 16 built-in prompts with both drafters (float64: no numerical near-ties)."""
-    target, draft = tiny_pair_dirs
-    pair = ModelPair.load(target, draft=draft, device="cpu", dtype="float64")
-    prompts = load_prompts("builtin")[::6]
-    out = {}
-    for drafter in ("ngram", "model"):
-        path = tmp_path_factory.mktemp("tr") / f"tiny-{drafter}"
-        out[drafter] = collect_traces(pair, prompts, drafter, max_new_tokens=40, batch_size=4, progress=False,
-                                      out=path)
-        out[drafter + "_path"] = path
-    return pair, prompts, out
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
