@@ -10,6 +10,16 @@ single-row cost. Whole SmolLM2-135M forwards at batch 1 (2 threads, 256 cached t
 4 tokens 127 -> 92 ms (1.58x -> 1.15x of a 1-token step); batch 4, 1 token: 131 -> 104 ms. Above
 ~16 rows the two paths trade places from shape to shape, so larger products keep ``F.linear``.
 
+Row padding: measured with weights streaming from memory, as in a real forward (90 layer-sized
+weights, 319 MB, per pass; ``benchmarks/kernels.py``), the skinny path's cost is not monotone in M.
+One row is the worst case: both paths end in MKL's matrix-vector product, ~11 GB/s, while two
+rows run at ~30 GB/s (layers 28 -> 11 ms, output head 10.7 -> 3.3 ms). And 9-15 rows cost more
+than 16 (40-62 ms vs 33 ms). Layout matters as much: with the activations column-major (the
+transposed view ``(W @ x.T).T`` returns, fed to the next layer) M = 2-8 costs 4x more (47 vs 10.5
+ms), so inputs and outputs are kept row-major. And a product is padded with zero rows up to the next size in
+``PAD_TO`` and the extra rows are dropped: a plain decode step (k = 0) at batch 1 and every
+verify of 9-16 tokens get cheaper.
+
 Exactness: both paths compute the same sums in a different order, like the different BLAS kernels
 PyTorch already picks for different M; greedy decoding stays identical to the target alone (the
 engine's exactness tests run with these layers, since every CPU ``ModelPair`` uses them).
@@ -25,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_ROWS = 16  # products with at most this many activation rows take the skinny path
+# rows -> rows actually multiplied (zero-padded): 1 -> 2 and 9..15 -> 16; 2..8 and 16 as they are
+PAD_TO = (0, 2, 2, 3, 4, 5, 6, 7, 8, 16, 16, 16, 16, 16, 16, 16, 16)
 
 
 def enabled() -> bool:
@@ -44,7 +56,12 @@ class SkinnyLinear(nn.Linear):
         if x.device.type != "cpu" or rows > MAX_ROWS or rows == 0:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])  # (M, in)
-        out = (self.weight @ flat.T).T  # (M, out), a transposed view
+        pad = PAD_TO[rows] - rows
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[-1])])  # (M + pad, in), row-major
+        else:
+            flat = flat.contiguous()  # row-major: a column-major x runs the GEMM 4x slower (M = 2-8)
+        out = (self.weight @ flat.T).T[:rows].contiguous()  # (M, out), row-major for the next layer
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -68,4 +85,4 @@ def use_skinny_linear(model: nn.Module) -> int:
 
 def kernel_tag(device: torch.device) -> str:
     """What a cost profile measured with: part of its cache key, so a kernel change re-profiles."""
-    return f"skinny{MAX_ROWS}" if device.type == "cpu" and enabled() else "linear"
+    return f"skinny{MAX_ROWS}pad" if device.type == "cpu" and enabled() else "linear"

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from specrl.kernels import MAX_ROWS, SkinnyLinear, kernel_tag, use_skinny_linear
+from specrl.kernels import MAX_ROWS, PAD_TO, SkinnyLinear, kernel_tag, use_skinny_linear
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 1), (1, 4), (2, 3), (4, 4), (1, MAX_ROWS + 1), (3, 9)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 4), (2, 3), (4, 4), (1, 11), (2, 8), (1, MAX_ROWS + 1), (3, 9)])
 def test_skinny_linear_matches_linear(bias, shape):
     torch.manual_seed(0)
     ref = nn.Linear(24, 40, bias=bias)
@@ -22,6 +22,9 @@ def test_skinny_linear_matches_linear(bias, shape):
     out = sk(x)
     assert out.shape == (*shape, 40)
     torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-5)
+    assert out.is_contiguous()  # the next layer's GEMM is 4x slower on a column-major input
+    xt = x.reshape(-1, 24).T.contiguous().T.reshape(x.shape)  # same values, column-major
+    torch.testing.assert_close(sk(xt), ref(x), rtol=1e-5, atol=1e-5)
     x.requires_grad_(True)
     sk(x).sum().backward()  # the draft trainer backpropagates through copied target layers
     assert x.grad is not None and x.grad.shape == x.shape
@@ -49,5 +52,12 @@ def test_cost_profiles_are_keyed_by_kernels(monkeypatch, tmp_path):
     on = cost_path("default", None, "ngram", "float32", "cpu")
     monkeypatch.setenv("SPECRL_SKINNY_LINEAR", "0")
     off = cost_path("default", None, "ngram", "float32", "cpu")
-    assert on != off and on.name.endswith(f"skinny{MAX_ROWS}.json") and off.name.endswith("linear.json")
+    assert on != off and on.name.endswith(f"skinny{MAX_ROWS}pad.json") and off.name.endswith("linear.json")
     assert cost_path("default", None, "ngram", "float32", "cuda").name.endswith("linear.json")  # no CUDA needed
+
+
+def test_row_padding_table():
+    """Every skinny product is padded to at least its own size and never past MAX_ROWS."""
+    assert len(PAD_TO) == MAX_ROWS + 1
+    assert all(r <= p <= MAX_ROWS for r, p in enumerate(PAD_TO) if r)
+    assert PAD_TO[1] == 2  # the one-row matrix-vector product is the slow case

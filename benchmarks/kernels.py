@@ -1,0 +1,67 @@
+"""Few-row CPU linears (specrl/kernels.py) against ``F.linear``, with weights streaming from memory.
+
+A real decode forward touches every weight once (SmolLM2-135M: 540 MB in float32), so the
+weights never sit in cache; a benchmark of one hot matrix hides what matters. This one multiplies
+the activations by 90 distinct layer-sized matrices (SmolLM2's MLP shapes, 319 MB) and by the
+output head, per activation row count M, and prints milliseconds and the ratio linear / skinny
+(> 1: the skinny path, with its row padding and row-major layout, is faster). Final line: JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from _common import final_line, machine, table
+
+from specrl.kernels import MAX_ROWS, PAD_TO, SkinnyLinear
+
+
+def best_ms(fn, reps: int, inner: int) -> float:
+    fn()
+    fn()  # warm-up: the first pass allocates and picks kernels
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best * 1e3
+
+
+def skinny(weight: torch.Tensor) -> SkinnyLinear:
+    lin = SkinnyLinear(weight.shape[1], weight.shape[0], bias=False)
+    lin.weight.data = weight
+    return lin
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rows", default=",".join(str(m) for m in (*range(1, MAX_ROWS + 1), 17, 24, 32)))
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    layers = [skinny(torch.randn(1536, 576)) for _ in range(60)] + [skinny(torch.randn(576, 1536)) for _ in range(30)]
+    head = skinny(torch.randn(49152, 576))
+    print(f"# few-row linears, {machine()}, {torch.get_num_threads()} threads; "
+          f"90 MLP-sized weights (319 MB) + the 49152 x 576 head")
+    rows, ratios = [], {}
+    for m in (int(x) for x in args.rows.split(",")):
+        xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
+        lin = best_ms(lambda: [F.linear(xs[w.in_features], w.weight) for w in layers], args.reps, 3)
+        sk = best_ms(lambda: [w(xs[w.in_features]) for w in layers], args.reps, 3)
+        hl = best_ms(lambda: F.linear(xs[576], head.weight), args.reps, 3)
+        hs = best_ms(lambda: head(xs[576]), args.reps, 3)
+        pad = PAD_TO[m] if m <= MAX_ROWS else "-"
+        rows.append([m, pad, lin, sk, lin / sk, hl, hs, hl / hs])
+        ratios[m] = round((lin + hl) / (sk + hs), 3)
+    print(table(["M", "padded to", "layers linear ms", "skinny ms", "ratio", "head linear ms", "skinny ms",
+                 "ratio"], rows))
+    final_line({"linear_over_skinny_by_rows": ratios})
+
+
+if __name__ == "__main__":
+    main()
