@@ -11,7 +11,7 @@ single-row cost. Whole SmolLM2-135M forwards at batch 1 (2 threads, 256 cached t
 ~16 rows the two paths trade places from shape to shape, so larger products keep ``F.linear``.
 
 Row padding: measured with weights streaming from memory, as in a real forward (90 layer-sized
-weights, 319 MB, per pass; ``benchmarks/kernels.py``), the skinny path's cost is not monotone in M.
+weights, 319 MB, per pass; ``benchmarks/few_row_linears.py``), the skinny path's cost is not monotone in M.
 One row is the worst case: both paths end in MKL's matrix-vector product, ~11 GB/s, while two
 rows run at ~30 GB/s (layers 28 -> 11 ms, output head 10.7 -> 3.3 ms). And 9-15 rows cost more
 than 16 (40-62 ms vs 33 ms). Layout matters as much: with the activations column-major (the

@@ -5,6 +5,9 @@ weights never sit in cache; a benchmark of one hot matrix hides what matters. Th
 the activations by 90 distinct layer-sized matrices (SmolLM2's MLP shapes, 319 MB) and by the
 output head, per activation row count M, and prints milliseconds and the ratio linear / skinny
 (> 1: the skinny path, with its row padding and row-major layout, is faster). Final line: JSON.
+
+``--forward``: whole forwards of the embedded default target instead (the profiler's grid: batch
+x new tokens over 300 cached tokens), ``F.linear`` and the skinny path alternating pass by pass.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 from _common import final_line, machine, table
+from torch import nn
 
 from specrl.kernels import MAX_ROWS, PAD_TO, SkinnyLinear
 
@@ -37,12 +41,45 @@ def skinny(weight: torch.Tensor) -> SkinnyLinear:
     return lin
 
 
+def set_linear_class(model: nn.Module, cls: type[nn.Linear]) -> None:
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear):
+            mod.__class__ = cls
+
+
+def forwards(reps: int) -> None:
+    """Whole target forwards, plain ``nn.Linear`` vs ``SkinnyLinear``, alternating pass by pass."""
+    import numpy as np
+
+    from specrl.models import ModelPair
+    from specrl.profiling import forward_grid
+
+    pair = ModelPair.load("default")
+    batch, tokens, context = (1, 2, 4, 8, 16), (1, 2, 3, 5, 9), (300,)
+    grids: dict[str, list[np.ndarray]] = {"linear": [], "skinny": []}
+    for _ in range(reps):
+        for name, cls in (("linear", nn.Linear), ("skinny", SkinnyLinear)):
+            set_linear_class(pair.target, cls)
+            grids[name].append(forward_grid(pair.target, pair.device, batch, tokens, context, 2, pair.vocab_size))
+    set_linear_class(pair.target, SkinnyLinear)
+    lin, sk = (np.min(grids[k], axis=0)[:, :, 0] * 1e3 for k in ("linear", "skinny"))  # (B, T) ms
+    print(f"# whole forwards of {pair.target_name}, {machine()}, 300 cached tokens, ms (linear -> skinny)")
+    rows = [[b, *(f"{lin[i, j]:.1f} -> {sk[i, j]:.1f}" for j in range(len(tokens)))] for i, b in enumerate(batch)]
+    print(table(["batch", *(f"{t} tokens" for t in tokens)], rows))
+    final_line({"linear_over_skinny": {f"b{b}t{t}": round(float(lin[i, j] / sk[i, j]), 3)
+                                       for i, b in enumerate(batch) for j, t in enumerate(tokens)}})
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", default=",".join(str(m) for m in (*range(1, MAX_ROWS + 1), 17, 24, 32)))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--forward", action="store_true", help="whole forwards of the default target")
     args = ap.parse_args()
+    if args.forward:
+        forwards(args.reps)
+        return
     torch.manual_seed(0)
     layers = [skinny(torch.randn(1536, 576)) for _ in range(60)] + [skinny(torch.randn(576, 1536)) for _ in range(30)]
     head = skinny(torch.randn(49152, 576))
