@@ -284,7 +284,8 @@ def main() -> None:
     ap.add_argument("--env", default="envs/replay.yaml")
     ap.add_argument("--loads", default="closed:1,2,4,8,16")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--horizon", type=float, default=30.0, help="simulated seconds per episode (the eval's)")
+    ap.add_argument("--horizon", type=float, default=120.0,
+                    help="simulated seconds per episode (the eval's, specrl.train.AgentConfig.eval_horizon_s)")
     ap.add_argument("--ragged", action="store_true", help="also the ragged-verify what-if (per-row actions)")
     args = ap.parse_args()
     base = load_env_config(args.env)

@@ -20,6 +20,7 @@ import numpy as np
 
 from specrl.config import apply_overrides, from_dict, load_yaml, split_override
 from specrl.errors import ConfigError, unknown_name
+from specrl.evaluate import EVAL_HORIZON_S
 
 ALGOS = ("ppo", "a2c", "dqn")
 
@@ -50,8 +51,8 @@ class AgentConfig:
     """Load points of the evaluations (specrl evaluate syntax)."""
     eval_seeds: int = 3
     """Arrival seeds per load point in the evaluations."""
-    eval_horizon_s: float = 30.0
-    """Simulated seconds per evaluation episode."""
+    eval_horizon_s: float = EVAL_HORIZON_S
+    """Simulated seconds per evaluation episode (see ``specrl.evaluate.EVAL_HORIZON_S``: why 120)."""
     pretrain: str | None = None
     """Behaviour-clone this baseline rule (e.g. ``goodput``) into the policy before RL (null = off);
     see ``specrl.pretrain``. PPO and A2C without frame stacking."""
