@@ -75,8 +75,8 @@ def main() -> None:
     n = args.max_new_tokens
     print(f"# engine vs transformers on {pair.target_name}, {machine()}, dtype {pair.dtype}")
 
-    grid = {f"k={k},w={w}": Action(k, w) for k in (2, 4, 6, 8) for w in (1, 2, 4)}
-    lookup = {f"prompt_lookup_num_tokens={k}": k for k in (2, 4, 6, 10)}
+    grid = {f"k={k},w={w}": Action(k, w) for k in (1, 2, 4, 6, 8) for w in (1, 2, 4)}
+    lookup = {f"prompt_lookup_num_tokens={k}": k for k in (1, 2, 4, 6, 10)}
     if args.quick:
         grid = {k: v for k, v in grid.items() if k in ("k=4,w=1", "k=4,w=2")}
         lookup = {"prompt_lookup_num_tokens=4": 4}

@@ -41,7 +41,8 @@ def fuzz_run(pair, drafter, seed, per_request=False, eos=()):
     prompts = [rng.integers(0, vocab, size=int(rng.integers(1, 20))).tolist() for _ in range(n_req)]
     max_new = [int(rng.integers(1, 40)) for _ in range(n_req)]
     max_batch = int(rng.integers(1, 5))
-    eng = SpecEngine(pair, drafter=drafter, max_batch_size=max_batch, eos_token_ids=eos)
+    eng = SpecEngine(pair, drafter=drafter if isinstance(drafter, str) else drafter(pair), max_batch_size=max_batch,
+                     eos_token_ids=eos)
     todo = list(range(n_req))
     rid_of = {}
     outputs = {}
@@ -70,6 +71,34 @@ def fuzz_run(pair, drafter, seed, per_request=False, eos=()):
             f"request {i} differs (drafter={drafter}, seed={seed})"
         )
     return accepted
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.7])
+def test_greedy_exact_with_confidence_threshold(pair, threshold):
+    """A draft that stops where it is unsure (dynamic depth, verify cut to the proposed nodes)
+    stays exact, still gets tokens accepted, and really proposes shorter trees."""
+    from specrl.drafters.model import ModelDrafter
+
+    depths = []
+
+    def make(p):
+        d = ModelDrafter(p.draft, min_confidence=threshold)
+        real = d.propose
+
+        def propose(seqs, shape, present, params, gen):
+            out = real(seqs, shape, present, params, gen)
+            depths.append((shape.max_depth, int((out.present.any(0).cpu().numpy() * shape.depth).max())))
+            assert out.host_union is not None and out.host_union[0]
+            return out
+
+        d.propose = propose
+        return d
+
+    accepted = sum(fuzz_run(pair, make, 300 + seed) for seed in range(4))
+    assert accepted > 0
+    assert any(got < asked for asked, got in depths)  # the threshold cut some trees short
+    with pytest.raises(Exception, match="min_confidence"):
+        ModelDrafter(pair.draft, min_confidence=1.0)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])

@@ -61,3 +61,20 @@ def test_row_padding_table():
     assert len(PAD_TO) == MAX_ROWS + 1
     assert all(r <= p <= MAX_ROWS for r, p in enumerate(PAD_TO) if r)
     assert PAD_TO[1] == 2  # the one-row matrix-vector product is the slow case
+
+
+def test_skinny_linear_leaves_other_dtypes_to_f_linear(monkeypatch):
+    """bfloat16 products take F.linear (faster there); the result is the plain layer's, bit for bit."""
+    import torch.nn.functional as F
+
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    ref = nn.Linear(24, 40).to(torch.bfloat16)
+    sk = copy.deepcopy(ref)
+    sk.__class__ = SkinnyLinear
+    x = torch.randn(2, 24, dtype=torch.bfloat16)
+    assert torch.equal(sk(x), real(x, ref.weight, ref.bias)) and calls == [1]
+    sk.float()(x.float())
+    assert calls == [1]  # float32: the skinny path

@@ -5,6 +5,14 @@ draft has not seen yet (the root among them); pass d feeds the depth-d nodes tha
 children, each attending to its own ancestors only (tree attention). After verification
 ``commit`` keeps in the draft cache exactly the fed nodes on the accepted path; an accepted
 leaf and the bonus token are fed at the start of the next step.
+
+``min_confidence`` (0 = off) makes the tree's depth dynamic, like transformers'
+``assistant_confidence_threshold``: a node whose token the draft itself gives less than this
+probability is not proposed (nor anything below it), drafting stops at the first level where no
+row has a node left, and the verify pass is cut to the nodes some row still proposes. The action's
+(k, w) becomes the largest tree. Lossless either way: which nodes are proposed depends on the
+draft alone, never on the target. Costs one host read per drafted level (free on CPU, a
+synchronisation on CUDA), so it is off by default.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import numpy as np
 import torch
 
 from specrl.drafters.base import Draft
+from specrl.errors import ConfigError
 from specrl.kvcache import RaggedKVCache, prefill
 from specrl.sampling import SamplingParams, gumbel_topk, probs_from_logits
 from specrl.tree import TreeShape
@@ -33,7 +42,11 @@ class ModelDrafter:
 
     name: ClassVar[str] = "model"
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, min_confidence: float = 0.0) -> None:
+        if not 0.0 <= min_confidence < 1.0:
+            raise ConfigError(f"min_confidence={min_confidence} is invalid. Allowed: 0 <= value < 1 "
+                              "(0 = off). Fix: e.g. 0.4, transformers' default assistant threshold.")
+        self.min_confidence = float(min_confidence)
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = RaggedKVCache()
@@ -111,6 +124,14 @@ class ModelDrafter:
             if probs is not None:
                 qx = q[:, par_idx].gather(-1, tokens[:, level, None])[..., 0]  # (B, |level|)
                 have[:, level] &= qx > 0  # a zero-probability pick is no proposal
+            if self.min_confidence > 0:
+                if probs is None:
+                    q = torch.softmax(par_logits.float(), dim=-1)  # (B, m, V)
+                    qx = q[:, par_idx].gather(-1, tokens[:, level, None])[..., 0]  # (B, |level|)
+                parent_ok = have[:, torch.as_tensor(shape.parent[level], device=dev)]  # (B, |level|)
+                have[:, level] &= parent_ok & (qx >= self.min_confidence)
+                if not bool(have[:, level].any()):  # nothing left at this depth: stop drafting
+                    break  # deeper nodes lose their parents below
             feed = [int(c) for c in level if shape.children[c]]
             if d == shape.max_depth or not feed:
                 continue
@@ -137,7 +158,10 @@ class ModelDrafter:
             have[:, i] &= have[:, shape.parent[i]]
         self._state = _StepState(base, lens, colmap)
         zeros = torch.zeros(bsz, device=dev)
-        return Draft(tokens, have, probs, top1, entropy, zeros, zeros)
+        union = have.any(dim=0).cpu().numpy() if self.min_confidence > 0 else None  # (n,) verify only these
+        if union is not None:
+            union[0] = True  # the root is always verified
+        return Draft(tokens, have, probs, top1, entropy, zeros, zeros, host_union=union)
 
     def commit(self, path: np.ndarray, accept_len: np.ndarray) -> None:
         """Keep the pending tokens and the fed nodes of each row's accepted path."""
