@@ -26,6 +26,9 @@ import numpy as np
 from specrl.errors import TraceError
 
 COST_FORMAT = 1
+# What the engine's measured costs depend on besides the kernels: bump it when a change to the
+# engine makes cached profiles stale (2: prefill stopped computing logits over the prompt).
+ENGINE_COSTS = 2
 MAX_LEVELS = 16  # tree depths the step-time functions take (levels arrays are (N, MAX_LEVELS))
 DENSE_BATCH = 64  # cost lookups are precomputed for every integer batch size up to this
 DENSE_TOKENS = 65  # ... and every integer tokens-per-row up to this (1 + 64 tree nodes)
@@ -221,7 +224,7 @@ def cost_path(model: str, draft: str | None, drafter: str, dtype: str = "auto", 
     # run may read a profile made on another machine
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device in (None, "auto") else str(device).split(":")[0]
     kern = kernel_tag(torch.device(dev))
-    return cache_root() / "costs" / f"{display_name(model)}-{d}-{drafter}-{dtype}-{device}-{kern}.json"
+    return cache_root() / "costs" / f"{display_name(model)}-{d}-{drafter}-{dtype}-{device}-{kern}-e{ENGINE_COSTS}.json"
 
 
 def provenance(pair: Any, drafter: str) -> dict[str, Any]:

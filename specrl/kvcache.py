@@ -107,11 +107,14 @@ class RaggedKVCache:
         tail_mask: torch.Tensor,  # (B, n, T + n - base) bool: visibility of columns >= base
         base: int,
         output_hidden: bool = False,
+        logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``model`` on new tokens; columns < base use ``valid``, columns >= base ``tail_mask``.
 
         Returns (logits (B, n, V), last hidden state (B, n, H) if asked). The new tokens become
-        tentative columns [T, T + n) until ``keep`` commits some of them.
+        tentative columns [T, T + n) until ``keep`` commits some of them. ``logits_to_keep=m > 0``
+        computes logits for the last m positions only (B, m, V): a prefill needs none, and the
+        output head over every prompt token was ~20% of its compute.
         """
         bsz, n = input_ids.shape
         if self.valid.device != input_ids.device:
@@ -131,6 +134,7 @@ class RaggedKVCache:
             attention_mask=mask[:, None],  # (B, 1, n, T+n)
             use_cache=True,
             output_hidden_states=output_hidden,
+            logits_to_keep=logits_to_keep,
             **{self._kwarg: self},
         )
         self.T += n
@@ -274,6 +278,7 @@ def prefill(model: torch.nn.Module, cache: RaggedKVCache, seqs: list[np.ndarray]
     ok = cols[None, :] < n_tok[:, None]  # (b, width) right padding is masked out
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     tmp = RaggedKVCache(cache.waste_limit, cache.min_compact_len)
-    tmp.forward(model, torch.from_numpy(ids).to(device), cols[None, :].expand(len(seqs), width), causal[None] & ok[:, None, :], base=0)
+    tmp.forward(model, torch.from_numpy(ids).to(device), cols[None, :].expand(len(seqs), width), causal[None] & ok[:, None, :], base=0,
+                logits_to_keep=1)  # the logits are not used: skip the head over the prompt
     tmp.keep(0, cols[None, :].expand(len(seqs), width), n_tok, width)
     cache.merge(tmp)

@@ -52,8 +52,8 @@ def test_cost_profiles_are_keyed_by_kernels(monkeypatch, tmp_path):
     on = cost_path("default", None, "ngram", "float32", "cpu")
     monkeypatch.setenv("SPECRL_SKINNY_LINEAR", "0")
     off = cost_path("default", None, "ngram", "float32", "cpu")
-    assert on != off and on.name.endswith(f"skinny{MAX_ROWS}pad.json") and off.name.endswith("linear.json")
-    assert cost_path("default", None, "ngram", "float32", "cuda").name.endswith("linear.json")  # no CUDA needed
+    assert on != off and f"-skinny{MAX_ROWS}pad-" in on.name and "-linear-" in off.name
+    assert "-linear-" in cost_path("default", None, "ngram", "float32", "cuda").name  # no CUDA needed
 
 
 def test_row_padding_table():
