@@ -39,6 +39,7 @@ METRICS = ("goodput", "accept_len", "latency_p50", "latency_p99", "tpot_p50", "t
 # 30 s episodes measured mostly where those fell (plain decoding 64.7 tok/s at 30 s, 88.9 at 120 s).
 EVAL_HORIZON_S = 120.0
 
+
 def ci95(xs: list[float]) -> tuple[float, float]:
     """(mean, half-width of the 95% confidence interval)."""
     a = np.asarray([x for x in xs if not math.isnan(x)], float)

@@ -10,18 +10,19 @@ single-row cost. Whole SmolLM2-135M forwards at batch 1 (2 threads, 256 cached t
 4 tokens 127 -> 92 ms (1.58x -> 1.15x of a 1-token step); batch 4, 1 token: 131 -> 104 ms. Above
 ~16 rows the two paths trade places from shape to shape, so larger products keep ``F.linear``.
 
-Row padding: measured with weights streaming from memory, as in a real forward (90 layer-sized
-weights, 319 MB, per pass; ``benchmarks/few_row_linears.py``), the skinny path's cost is not monotone in M.
-One row is the worst case: both paths end in MKL's matrix-vector product, ~11 GB/s, while two
-rows run at ~30 GB/s (layers 28 -> 11 ms, output head 10.7 -> 3.3 ms). And 9-15 rows cost more
-than 16 (40-62 ms vs 33 ms). Layout matters as much: with the activations column-major (the
-transposed view ``(W @ x.T).T`` returns, fed to the next layer) M = 2-8 costs 4x more (47 vs 10.5
-ms), so inputs and outputs are kept row-major. And a product is padded with zero rows up to the next size in
-``PAD_TO`` and the extra rows are dropped: a plain decode step (k = 0) at batch 1 and every
-verify of 9-16 tokens get cheaper.
+Row padding and layout: measured with weights streaming from memory, as in a real forward (90
+layer-sized weights, 319 MB, per pass; ``benchmarks/few_row_linears.py``), the skinny path's cost
+is not monotone in M. One row is the worst case: both paths end in MKL's matrix-vector product
+(~11 GB/s), while two rows stream at ~30 GB/s (layers 26 -> 13 ms, output head 9.9 -> 2.9 ms),
+and 9-15 rows cost more than 16. So a product is padded with zero rows up to the next size in
+``PAD_TO`` and the extra rows are dropped: every plain decode step (k = 0) at batch 1 and every
+verify of 9-16 tokens gets cheaper. Column-major activations (the transposed view ``(W @ x.T).T``
+returns, fed to the next layer) made M = 2-8 about 4x slower in an ad-hoc measurement, so inputs
+and outputs are kept row-major.
 
 float32 only: with bfloat16 weights MKL's ``F.linear`` is the faster path at every M measured
-(2 rows: 11.7 vs 16.6 ms over the 159 MB of bfloat16 layer weights), so other dtypes keep it.
+(2 rows: 11.7 vs 16.6 ms over 159 MB of bfloat16 layer weights, an ad-hoc measurement), so
+other dtypes keep it.
 
 Exactness: both paths compute the same sums in a different order, like the different BLAS kernels
 PyTorch already picks for different M; greedy decoding stays identical to the target alone (the

@@ -121,13 +121,13 @@ class ModelDrafter:
             par_idx = torch.tensor([slot[int(shape.parent[c])] for c in level], device=dev)
             rank = torch.as_tensor(shape.rank[level], device=dev)
             tokens[:, level] = picks[:, par_idx, rank]  # (B, |level|)
+            if probs is not None or self.min_confidence > 0:
+                if probs is None:  # greedy picks need no distribution, the threshold does
+                    q = torch.softmax(par_logits.float(), dim=-1)  # (B, m, V)
+                qx = q[:, par_idx].gather(-1, tokens[:, level, None])[..., 0]  # (B, |level|) draft prob. of each pick
             if probs is not None:
-                qx = q[:, par_idx].gather(-1, tokens[:, level, None])[..., 0]  # (B, |level|)
                 have[:, level] &= qx > 0  # a zero-probability pick is no proposal
             if self.min_confidence > 0:
-                if probs is None:
-                    q = torch.softmax(par_logits.float(), dim=-1)  # (B, m, V)
-                    qx = q[:, par_idx].gather(-1, tokens[:, level, None])[..., 0]  # (B, |level|)
                 parent_ok = have[:, torch.as_tensor(shape.parent[level], device=dev)]  # (B, |level|)
                 have[:, level] &= parent_ok & (qx >= self.min_confidence)
                 if not bool(have[:, level].any()):  # nothing left at this depth: stop drafting
@@ -158,8 +158,9 @@ class ModelDrafter:
             have[:, i] &= have[:, shape.parent[i]]
         self._state = _StepState(base, lens, colmap)
         zeros = torch.zeros(bsz, device=dev)
-        union = have.any(dim=0).cpu().numpy() if self.min_confidence > 0 else None  # (n,) verify only these
-        if union is not None:
+        union = None  # (n,) host copy of the proposed slots: the engine verifies only these
+        if self.min_confidence > 0:
+            union = have.any(dim=0).cpu().numpy()
             union[0] = True  # the root is always verified
         return Draft(tokens, have, probs, top1, entropy, zeros, zeros, host_union=union)
 
