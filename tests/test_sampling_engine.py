@@ -73,3 +73,20 @@ def test_power_the_draft_distribution_is_rejected(pair):
     toks = np.array([r.output.tolist() for r in out])
     counts = np.bincount(toks[:, 0] * V + toks[:, 1], minlength=V * V)
     assert chi2_p(counts, exact_joint(pair.target, params)) < 1e-6
+
+
+@pytest.mark.parametrize("action", [Action(3, 1), Action(2, 2)], ids=str)
+def test_confidence_threshold_keeps_the_target_distribution(pair, action):
+    """min_confidence in sampling mode: whether a level is proposed must not depend on which token
+    the draft sampled there, or the proposal is no longer q and rejection sampling skews."""
+    from specrl.drafters.model import ModelDrafter
+
+    params = SamplingParams(1.0)
+    drafter = ModelDrafter(pair.draft, min_confidence=0.25)
+    eng = SpecEngine(pair, drafter=drafter, sampling=params, seed=1)
+    rows = 6000
+    out = eng.generate([PROMPT] * rows, max_new_tokens=2, action=action)
+    assert sum(r.accepted for r in out) > rows * 0.05
+    toks = np.array([r.output.tolist() for r in out])
+    counts = np.bincount(toks[:, 0] * V + toks[:, 1], minlength=V * V)
+    assert chi2_p(counts, exact_joint(pair.target, params)) > 1e-3

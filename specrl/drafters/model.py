@@ -11,7 +11,8 @@ leaf and the bonus token are fed at the start of the next step.
 probability is not proposed (nor anything below it), drafting stops at the first level where no
 row has a node left, and the verify pass is cut to the nodes some row still proposes. The action's
 (k, w) becomes the largest tree. Lossless either way: which nodes are proposed depends on the
-draft alone, never on the target. Costs one host read per drafted level (free on CPU, a
+draft alone, never on the target; when sampling, it depends on the parent's top probability, not
+on the sampled token (a proposal kept only when its own draw is likely is no longer drawn from q). Costs one host read per drafted level (free on CPU, a
 synchronisation on CUDA), so it is off by default.
 """
 
@@ -129,7 +130,12 @@ class ModelDrafter:
                 have[:, level] &= qx > 0  # a zero-probability pick is no proposal
             if self.min_confidence > 0:
                 parent_ok = have[:, torch.as_tensor(shape.parent[level], device=dev)]  # (B, |level|)
-                have[:, level] &= parent_ok & (qx >= self.min_confidence)
+                # greedy: the pick's own probability (deterministic given the draft). Sampling: the
+                # parent's top probability, decided before the draw; gating on the sampled token's
+                # probability would make the proposal q truncated to likely tokens, which rejection
+                # sampling against q skews (tests/test_sampling_engine.py caught it: p = 3e-46).
+                conf = qx if probs is None else q[:, par_idx].amax(-1)  # (B, |level|)
+                have[:, level] &= parent_ok & (conf >= self.min_confidence)
                 if not bool(have[:, level].any()):  # nothing left at this depth: stop drafting
                     break  # deeper nodes lose their parents below
             feed = [int(c) for c in level if shape.children[c]]
