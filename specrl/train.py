@@ -23,6 +23,11 @@ from specrl.errors import ConfigError, unknown_name
 from specrl.evaluate import EVAL_HORIZON_S
 
 ALGOS = ("ppo", "a2c", "dqn")
+KEEP = ("last", "best")
+VALIDATION_SEED0 = 1000
+"""Arrival seeds of the periodic evaluations start here: they run on the *training* prompts, in
+episodes that neither training (its own seeds) nor the final held-out evaluation (seeds 0, 1, ...)
+uses, so choosing a checkpoint by them never looks at the held-out prompts."""
 
 
 @dataclass
@@ -44,7 +49,13 @@ class AgentConfig:
     reward_scale: float = 1.0
     """Multiplies the env reward (for algorithms without reward normalisation)."""
     eval_every: int = 250_000
-    """Evaluate on held-out prompts every N steps (0 = only at the end)."""
+    """Evaluate on validation episodes (training prompts, arrival seeds from ``VALIDATION_SEED0``)
+    every N steps and log the ratio to the best baseline per load (0 = off: only the final
+    held-out evaluation)."""
+    keep: str = "last"
+    """The policy a run ends with (evaluated, saved as model.zip, exported): 'last' (the final
+    weights) or 'best' (the periodic evaluation, the final weights included, with the highest
+    validation goodput)."""
     checkpoint_every: int = 250_000
     """Save a checkpoint every N steps."""
     eval_loads: list[str] = field(default_factory=lambda: ["closed:1,2,4,8,16"])
@@ -66,6 +77,11 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
             raise unknown_name("algo", self.algo, ALGOS)
+        if self.keep not in KEEP:
+            raise unknown_name("keep", self.keep, KEEP)
+        if self.keep == "best" and not self.eval_every:
+            raise ConfigError("keep='best' chooses among the periodic evaluations, but eval_every is 0. Fix: set "
+                              "eval_every > 0 (e.g. 250000) or keep: last.")
         if self.n_envs < 1 or self.total_timesteps < 1 or self.frame_stack < 1:
             raise ConfigError("n_envs, total_timesteps and frame_stack must be >= 1.")
         if self.pretrain and (self.algo == "dqn" or self.frame_stack > 1):
@@ -206,7 +222,9 @@ def make_callbacks(run_dir: Path, env_cfg: Any, agent: AgentConfig, tracker: Any
             self.secs = 0.0
             self.next_ckpt = agent.checkpoint_every
             self.next_eval = agent.eval_every if agent.eval_every else None
-            self.best = -np.inf
+            best = run_dir / "best.json"  # a resumed run competes with the best validated before
+            self.best = json.loads(best.read_text())["goodput"] if best.is_file() else -np.inf
+            self.history: list[dict[str, Any]] = []  # one entry per validation evaluation
             self.low: np.ndarray | None = None  # feature range seen in training (the controller's guard)
             self.high: np.ndarray | None = None
 
@@ -249,35 +267,55 @@ def make_callbacks(run_dir: Path, env_cfg: Any, agent: AgentConfig, tracker: Any
             self.acc, self.ks, self.ws, self.tokens, self.secs = [], [], [], 0.0, 0.0
 
         def _evaluate(self) -> None:
+            """Validation episodes (training prompts, unused arrival seeds); keeps the best weights."""
             stats = obs_stats(self.training_env)
             save_stats(stats, run_dir / "obs_stats.json")
             pol = learned_policy(run_dir, env_cfg, agent, self.model)
-            res = quick_eval(env_cfg, agent, pol)
+            res = quick_eval(env_cfg, agent, pol, split="train", seed0=VALIDATION_SEED0)
+            entry: dict[str, Any] = {"step": int(self.num_timesteps), "goodput": res["overall"]["learned"],
+                                     "by_load": {ld: g["learned"] for ld, g in res["by_load"].items()}}
             for load, g in res["by_load"].items():
                 self.logger.record(f"eval/goodput_{load}", g["learned"])
                 if baseline_goodput and load in baseline_goodput:
+                    entry.setdefault("vs_best_baseline", {})[load] = g["learned"] / baseline_goodput[load]
                     self.logger.record(f"eval/vs_best_baseline_{load}", g["learned"] / baseline_goodput[load])
             self.logger.record("eval/goodput_overall", res["overall"]["learned"])
             if res["overall"]["learned"] > self.best:
                 self.best = res["overall"]["learned"]
                 self.model.save(str(run_dir / "best_model.zip"))
                 save_stats(stats, run_dir / "best_obs_stats.json")
+                (run_dir / "best.json").write_text(json.dumps(entry, indent=1))
+            self.history.append(entry)
+            with (run_dir / "validation.jsonl").open("a") as f:
+                f.write(json.dumps(entry) + "\n")
 
     return SpecCallback()
 
 
 def quick_eval(env_cfg: Any, agent: AgentConfig, policy: Any, policies: list[str] = (), seeds: int | None = None,
-               out: Path | None = None) -> dict[str, Any]:
-    """The learned policy (and optionally baselines) on held-out prompts over the eval loads."""
+               out: Path | None = None, split: str = "test", seed0: int = 0) -> dict[str, Any]:
+    """The learned policy (None = none) and optionally baselines over the eval loads: on held-out
+    prompts by default; ``split='train', seed0=VALIDATION_SEED0`` for validation episodes."""
     from dataclasses import replace
 
     from specrl.evaluate import evaluate, parse_loads
 
-    cfg = replace(env_cfg, prompt_split="test", horizon_s=agent.eval_horizon_s)
+    cfg = replace(env_cfg, prompt_split=split, horizon_s=agent.eval_horizon_s)
     loads = parse_loads(list(agent.eval_loads))
-    policy.reset()
-    return evaluate(cfg, list(policies), loads, list(range(seeds or agent.eval_seeds)), out, progress=False,
-                    extra={"learned": lambda: _fresh(policy)})
+    extra = {}
+    if policy is not None:
+        policy.reset()
+        extra = {"learned": lambda: _fresh(policy)}
+    return evaluate(cfg, list(policies), loads, list(range(seed0, seed0 + (seeds or agent.eval_seeds))), out,
+                    progress=False, extra=extra)
+
+
+def validation_baselines(env_cfg: Any, agent: AgentConfig) -> dict[str, float]:
+    """Best baseline goodput per load on the validation episodes (what the periodic evaluations compare to)."""
+    from specrl.policies import BASELINES
+
+    res = quick_eval(env_cfg, agent, None, list(BASELINES), split="train", seed0=VALIDATION_SEED0)
+    return {load: max(g.values()) for load, g in res["by_load"].items()}
 
 
 def _fresh(policy: Any) -> Any:
@@ -429,7 +467,8 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
         done = 0
     model.set_logger(_logger(run_dir, tracker))
     warm = warm_start(model, vec, env_cfg, agent, seed, progress) if agent.pretrain and ck is None else None
-    callback = make_callbacks(run_dir, env_cfg, agent, tracker, None)
+    base = validation_baselines(env_cfg, agent) if agent.eval_every else None
+    callback = make_callbacks(run_dir, env_cfg, agent, tracker, base)
     t0 = time.perf_counter()
     remaining = max(0, agent.total_timesteps - done)
     if remaining:
@@ -441,6 +480,8 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
     save_checkpoint(run_dir, model, env_cfg, agent, model.num_timesteps)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "steps": int(model.num_timesteps), "train_seconds": train_s,
                                "steps_per_s": remaining / max(train_s, 1e-9)}
+    if agent.keep == "best":
+        model = keep_best(run_dir, model, agent, callback, summary)
     if warm is not None:
         summary["pretrain"] = warm
     if final_eval:
@@ -459,6 +500,21 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
     if tracker is not None:
         tracker.finish()
     return summary
+
+
+def keep_best(run_dir: Path, model: Any, agent: AgentConfig, callback: Any, summary: dict[str, Any]) -> Any:
+    """Validate the final weights too, then make the best validated weights the run's policy
+    (model.zip and obs_stats.json; the checkpoints keep the last weights for --resume)."""
+    callback.init_callback(model)
+    callback._evaluate()  # the final weights become a candidate (saved as best if they are)
+    best = json.loads((run_dir / "best.json").read_text())
+    summary["kept"] = {"step": best["step"], "validation_goodput": best["goodput"],
+                       "last_validation_goodput": callback.history[-1]["goodput"]}
+    if best["step"] == callback.history[-1]["step"]:
+        return model
+    shutil.copy(run_dir / "best_model.zip", run_dir / "model.zip")
+    shutil.copy(run_dir / "best_obs_stats.json", run_dir / "obs_stats.json")
+    return load_model(run_dir, agent)
 
 
 def warm_start(model: Any, vec: Any, env_cfg: Any, agent: AgentConfig, seed: int, progress: bool) -> dict[str, Any]:

@@ -26,7 +26,7 @@ def trained_run(tiny_replay_env, tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     summary = train(tiny_replay_env, "agents/ppo.yaml", [
         "agent.total_timesteps=2048", "agent.n_envs=8", "agent.hyperparams.n_steps=64",
-        "agent.hyperparams.batch_size=128", "agent.eval_every=0", "agent.eval_seeds=1", "agent.eval_loads=[closed:1]",
+        "agent.hyperparams.batch_size=128", "agent.eval_every=0", "agent.keep=last", "agent.eval_seeds=1", "agent.eval_loads=[closed:1]",
         "agent.pretrain_steps=128", "agent.pretrain_epochs=2",
     ], seed=0, run_dir=root / "run", progress=False, final_eval=False)
     return Path(summary["run_dir"]), export_run(Path(summary["run_dir"]), root / "export")

@@ -12,7 +12,7 @@ import yaml
 from specrl.errors import ConfigError
 from specrl.train import load_agent_config, train
 
-TINY = ["agent.total_timesteps=256", "agent.n_envs=4", "agent.eval_every=0", "agent.checkpoint_every=128",
+TINY = ["agent.total_timesteps=256", "agent.n_envs=4", "agent.eval_every=0", "agent.keep=last", "agent.checkpoint_every=128",
         "agent.eval_seeds=1", "agent.eval_loads=[closed:1]", "agent.eval_horizon_s=2.0",
         "agent.pretrain_steps=128", "agent.pretrain_epochs=2"]
 SMALL_BATCH = {"ppo": ["agent.hyperparams.n_steps=32", "agent.hyperparams.batch_size=64"],
@@ -40,6 +40,35 @@ def test_every_agent_preset_trains_and_evaluates(agent, tiny_env, tmp_path):
 
     ctl = Controller.load(export_run(run, tmp_path / f"{agent}-export"))
     assert ctl.frame_stack == (4 if agent == "ppo-framestack" else 1)
+
+
+def test_keep_best_validates_on_training_prompts_and_keeps_the_best(tiny_env, tmp_path, monkeypatch):
+    """Periodic evaluations run on validation episodes (training prompts, unused arrival seeds),
+    compare with the best baseline per load, and keep='best' ends the run with the best of them."""
+    import specrl.train as tr
+
+    calls = []
+    real = tr.quick_eval
+
+    def spy(*args, **kw):
+        calls.append((kw.get("split", "test"), kw.get("seed0", 0)))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tr, "quick_eval", spy)
+    over = [o for o in TINY if not o.startswith("agent.eval_every")] + SMALL_BATCH["ppo"]
+    summary = train(tiny_env, "agents/ppo.yaml", over + ["agent.eval_every=128", "agent.keep=best",
+                                                         "agent.total_timesteps=384"],
+                    seed=3, run_dir=tmp_path / "kb", progress=False)
+    hist = [json.loads(line) for line in (tmp_path / "kb" / "validation.jsonl").read_text().splitlines()]
+    assert len(hist) >= 4  # every 128 steps, and the final weights
+    assert all("vs_best_baseline" in h for h in hist)
+    assert summary["kept"]["validation_goodput"] == max(h["goodput"] for h in hist)
+    assert calls[-1] == ("test", 0)  # the final evaluation: held-out prompts
+    assert set(calls[:-1]) == {("train", tr.VALIDATION_SEED0)}  # everything before: validation only
+    with pytest.raises(ConfigError, match="eval_every"):
+        load_agent_config("agents/ppo.yaml", {"keep": "best", "eval_every": 0})
+    with pytest.raises(ConfigError, match="keep"):
+        load_agent_config("agents/ppo.yaml", {"keep": "first"})
 
 
 def test_resume_continues_with_the_same_config(tiny_env, tmp_path):
