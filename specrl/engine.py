@@ -222,7 +222,8 @@ class SpecEngine:
             if keep is not None and not keep.all():
                 idx = torch.from_numpy(np.flatnonzero(keep)).to(dev)
                 draft = Draft(
-                    draft.tokens[:, idx], draft.present[:, idx], None,
+                    draft.tokens[:, idx], draft.present[:, idx],
+                    None if draft.probs is None else draft.probs[:, idx],  # sampled drafts keep their q
                     draft.top1, draft.entropy, draft.match_len, draft.num_matches,
                 )
             vshape, tree = self._tree_tensors(shape, keep)
@@ -272,7 +273,11 @@ class SpecEngine:
         in_place = bool(((path[:, :max_keep] == np.arange(max_keep)) | (path[:, :max_keep] < 0)).all())
         self.cache.keep(base, cols, out.accept_len + 1, max_keep, in_place=in_place)
         if proposed:
-            self.drafter.commit(path, accept_len)
+            dpath = path  # the drafter numbers nodes in the unpruned shape it drafted
+            if keep is not None and not keep.all():
+                full = np.flatnonzero(keep)  # pruned node id -> drafted node id
+                dpath = np.where(path >= 0, full[np.clip(path, 0, None)], -1)
+            self.drafter.commit(dpath, accept_len)
 
         now = time.perf_counter()
         committed, finished, keep_rows = [], [], []

@@ -102,10 +102,10 @@ def verify_greedy(
     )
 
 
-def _renorm(p: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """Normalise rows of p; rows with (numerically) no mass fall back to ``fallback``."""
+def _renorm(p: torch.Tensor, fallback: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
+    """Normalise rows of p; rows with at most ``eps`` mass fall back to ``fallback``."""
     s = p.sum(dim=-1, keepdim=True)
-    return torch.where(s > 1e-9, p / s.clamp_min(1e-30), fallback)
+    return torch.where(s > eps, p / s.clamp_min(1e-30), fallback)
 
 
 def verify_sampling(
@@ -150,7 +150,9 @@ def verify_sampling(
                 p_new = _renorm(p_res.scatter(1, x[:, None], 0.0), p_res)
             else:
                 p_new = _renorm((p_res - q_res).clamp_min(0.0), p_res)
-                q_new = _renorm(q_res.scatter(1, x[:, None], 0.0), q_res)
+                # q after removing x: renormalised whatever mass is left. A confident draft leaves
+                # < 1e-9 (q(x) ~ 1); keeping the raw tail there accepted every later sibling.
+                q_new = _renorm(q_res.scatter(1, x[:, None], 0.0), q_res, eps=0.0)
                 q_res = torch.where(rej, q_new, q_res)
             p_res = torch.where(rej, p_new, p_res)
         stop = alive & ~moved
@@ -159,7 +161,7 @@ def verify_sampling(
         cur = nxt
     # rows that reached a leaf sample the bonus from the target at that leaf
     final_p = torch.where(alive[:, None], p_all[rows, cur], final_p)
-    bonus = torch.multinomial(final_p, 1, generator=generator)[:, 0]
+    bonus = torch.multinomial(final_p.double(), 1, generator=generator)[:, 0]  # float64: tails of a 49k vocab
     return VerifyOutput(last_node=cur, accept_len=tree.depth[cur], path=_path_of(tree, cur), bonus=bonus)
 
 

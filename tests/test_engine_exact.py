@@ -125,3 +125,33 @@ def test_fuzz_exercises_acceptance():
     pair = tiny_pair(**PAIRS["v16"])
     assert fuzz_run(pair, "ngram", 0) > 5
     assert fuzz_run(pair, "model", 0) > 5
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampling"])
+def test_confidence_pruning_keeps_the_draft_cache_right(greedy):
+    """With min_confidence the verify tree is renumbered; the drafter must commit its own node ids,
+    or its KV cache holds wrong columns: every draft round's top-1 must match a fresh draft forward."""
+    from specrl.drafters.model import ModelDrafter
+    from specrl.sampling import SamplingParams
+
+    vocab = 16
+    pair = tiny_pair(vocab=vocab, noise=0.05)
+    d = ModelDrafter(pair.draft, min_confidence=0.3)
+    real, errs, pruned = d.propose, [], []
+
+    def propose(seqs, shape, present, params, gen):
+        out = real(seqs, shape, present, params, gen)
+        with torch.no_grad():
+            for b, s in enumerate(seqs):
+                ref = torch.softmax(pair.draft(torch.tensor([s.tolist()])).logits[0, -1].double(), -1).max()
+                errs.append(abs(float(out.top1[b]) - float(ref)))
+        hu = out.host_union
+        pruned.append(hu is not None and not (np.flatnonzero(hu) == np.arange(hu.sum())).all())
+        return out
+
+    d.propose = propose
+    eng = SpecEngine(pair, drafter=d, sampling=SamplingParams(0.0 if greedy else 1.0), seed=0)
+    rng = np.random.default_rng(0)
+    eng.generate([rng.integers(0, vocab, size=8).tolist() for _ in range(4)], 40, action=Action(4, 3))
+    assert sum(pruned) > 0  # pruning that renumbers the tree did happen
+    assert max(errs) < 1e-6
