@@ -8,6 +8,11 @@ output head, per activation row count M, and prints milliseconds and the ratio l
 
 ``--forward``: whole forwards of the embedded default target instead (the profiler's grid: batch
 x new tokens over 300 cached tokens), ``F.linear`` and the skinny path alternating pass by pass.
+
+``--layout``: also the skinny product fed *column-major* activations (what the transposed view
+``(W @ x.T).T`` returns, if the next layer took it as it is), against the row-major ones
+``SkinnyLinear`` keeps. ``--dtype bfloat16``: bfloat16 weights and activations, where
+``SkinnyLinear`` keeps ``F.linear``; the skinny formula is timed directly to show why.
 """
 
 from __future__ import annotations
@@ -39,6 +44,20 @@ def skinny(weight: torch.Tensor) -> SkinnyLinear:
     lin = SkinnyLinear(weight.shape[1], weight.shape[0], bias=False)
     lin.weight.data = weight
     return lin
+
+
+def skinny_formula(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``SkinnyLinear``'s product without its dtype guard or its row-major copy of the input."""
+    rows = x.shape[0]
+    pad = PAD_TO[rows] - rows if rows <= MAX_ROWS else 0
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    return (weight @ x.T).T[:rows].contiguous()
+
+
+def column_major(x: torch.Tensor) -> torch.Tensor:
+    """The same (M, in) values, stored column by column (a transposed view of a contiguous copy)."""
+    return x.T.contiguous().T
 
 
 def set_linear_class(model: nn.Module, cls: type[nn.Linear]) -> None:
@@ -76,28 +95,48 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(str(m) for m in (*range(1, MAX_ROWS + 1), 17, 24, 32)))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--forward", action="store_true", help="whole forwards of the default target")
+    ap.add_argument("--layout", action="store_true", help="also the skinny product on column-major activations")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args()
     if args.forward:
         forwards(args.reps)
         return
+    dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    layers = [skinny(torch.randn(1536, 576)) for _ in range(60)] + [skinny(torch.randn(576, 1536)) for _ in range(30)]
-    head = skinny(torch.randn(49152, 576))
-    print(f"# few-row linears, {machine()}, {torch.get_num_threads()} threads; "
-          f"90 MLP-sized weights (319 MB) + the 49152 x 576 head")
-    rows, ratios = [], {}
+    layers = [skinny(torch.randn(1536, 576, dtype=dtype)) for _ in range(60)] + [
+        skinny(torch.randn(576, 1536, dtype=dtype)) for _ in range(30)]
+    head = skinny(torch.randn(49152, 576, dtype=dtype))
+    mb = sum(w.weight.numel() for w in layers) * layers[0].weight.element_size() / 1e6
+    print(f"# few-row linears, {machine()}, {torch.get_num_threads()} threads, {args.dtype}; "
+          f"90 MLP-sized weights ({mb:.0f} MB) + the 49152 x 576 head")
+
+    def product(w: SkinnyLinear, x: torch.Tensor) -> torch.Tensor:  # what the skinny path computes
+        return w(x) if dtype == torch.float32 else skinny_formula(w.weight, x)
+
+    rows, ratios, layout = [], {}, {}
     for m in (int(x) for x in args.rows.split(",")):
-        xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
+        xs = {576: torch.randn(m, 576, dtype=dtype), 1536: torch.randn(m, 1536, dtype=dtype)}
         lin = best_ms(lambda: [F.linear(xs[w.in_features], w.weight) for w in layers], args.reps, 3)
-        sk = best_ms(lambda: [w(xs[w.in_features]) for w in layers], args.reps, 3)
+        sk = best_ms(lambda: [product(w, xs[w.in_features]) for w in layers], args.reps, 3)
         hl = best_ms(lambda: F.linear(xs[576], head.weight), args.reps, 3)
-        hs = best_ms(lambda: head(xs[576]), args.reps, 3)
+        hs = best_ms(lambda: product(head, xs[576]), args.reps, 3)
         pad = PAD_TO[m] if m <= MAX_ROWS else "-"
-        rows.append([m, pad, lin, sk, lin / sk, hl, hs, hl / hs])
+        row = [m, pad, lin, sk, lin / sk, hl, hs, hl / hs]
+        if args.layout:
+            cm = {k: column_major(v) for k, v in xs.items()}
+            skc = best_ms(lambda: [skinny_formula(w.weight, cm[w.in_features]) for w in layers], args.reps, 3)
+            row += [skc, skc / sk]
+            layout[m] = round(skc / sk, 3)
+        rows.append(row)
         ratios[m] = round((lin + hl) / (sk + hs), 3)
-    print(table(["M", "padded to", "layers linear ms", "skinny ms", "ratio", "head linear ms", "skinny ms",
-                 "ratio"], rows))
-    final_line({"linear_over_skinny_by_rows": ratios})
+    headers = ["M", "padded to", "layers linear ms", "skinny ms", "ratio", "head linear ms", "skinny ms", "ratio"]
+    if args.layout:
+        headers += ["layers skinny, column-major input ms", "/ row-major"]
+    print(table(headers, rows))
+    out = {"dtype": args.dtype, "linear_over_skinny_by_rows": ratios}
+    if args.layout:
+        out["column_major_over_row_major_by_rows"] = layout
+    final_line(out)
 
 
 if __name__ == "__main__":

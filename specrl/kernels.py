@@ -17,12 +17,14 @@ is not monotone in M. One row is the worst case: both paths end in MKL's matrix-
 and 9-15 rows cost more than 16. So a product is padded with zero rows up to the next size in
 ``PAD_TO`` and the extra rows are dropped: every plain decode step (k = 0) at batch 1 and every
 verify of 9-16 tokens gets cheaper. Column-major activations (the transposed view ``(W @ x.T).T``
-returns, fed to the next layer) made M = 2-8 about 4x slower in an ad-hoc measurement, so inputs
-and outputs are kept row-major.
+returns, fed to the next layer) make M = 2-8 1.8-4.1x slower (``few_row_linears.py --layout``), so
+inputs and outputs are kept row-major.
 
-float32 only: with bfloat16 weights MKL's ``F.linear`` is the faster path at every M measured
-(2 rows: 11.7 vs 16.6 ms over 159 MB of bfloat16 layer weights, an ad-hoc measurement), so
-other dtypes keep it.
+float32 only: with bfloat16 weights MKL's ``F.linear`` is the faster path at 1-8 rows (2 rows:
+13.5 vs 16.7 ms over 159 MB of bfloat16 layer weights; the skinny formula wins only at 16 rows,
+1.09x; ``few_row_linears.py --dtype bfloat16``), so other dtypes keep it. Padding 3-8 rows
+differently or other operand layouts (``x @ W.T`` on a pre-transposed weight) did not help: MKL
+runs these products at 30-45 GFLOP/s, and each row past two adds ~5 ms per 319 MB of weights.
 
 Exactness: both paths compute the same sums in a different order, like the different BLAS kernels
 PyTorch already picks for different M; greedy decoding stays identical to the target alone (the
