@@ -219,8 +219,9 @@ class SpecEngine:
             # would cost verify compute for nothing. Only when the drafter knows it on the host:
             # asking the device would cost a synchronisation per step.
             keep = draft.host_union
-            if keep is not None and not keep.all():
-                idx = torch.from_numpy(np.flatnonzero(keep)).to(dev)
+            kept = np.flatnonzero(keep) if keep is not None and not keep.all() else None  # verify id -> drafted id
+            if kept is not None:
+                idx = torch.from_numpy(kept).to(dev)
                 draft = Draft(
                     draft.tokens[:, idx], draft.present[:, idx],
                     None if draft.probs is None else draft.probs[:, idx],  # sampled drafts keep their q
@@ -273,10 +274,8 @@ class SpecEngine:
         in_place = bool(((path[:, :max_keep] == np.arange(max_keep)) | (path[:, :max_keep] < 0)).all())
         self.cache.keep(base, cols, out.accept_len + 1, max_keep, in_place=in_place)
         if proposed:
-            dpath = path  # the drafter numbers nodes in the unpruned shape it drafted
-            if keep is not None and not keep.all():
-                full = np.flatnonzero(keep)  # pruned node id -> drafted node id
-                dpath = np.where(path >= 0, full[np.clip(path, 0, None)], -1)
+            # the drafter numbers nodes in the unpruned shape it drafted
+            dpath = path if kept is None else np.where(path >= 0, kept[np.clip(path, 0, None)], -1)
             self.drafter.commit(dpath, accept_len)
 
         now = time.perf_counter()

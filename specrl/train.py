@@ -224,7 +224,6 @@ def make_callbacks(run_dir: Path, env_cfg: Any, agent: AgentConfig, tracker: Any
             self.next_eval = agent.eval_every if agent.eval_every else None
             best = run_dir / "best.json"  # a resumed run competes with the best validated before
             self.best = json.loads(best.read_text())["goodput"] if best.is_file() else -np.inf
-            self.history: list[dict[str, Any]] = []  # one entry per validation evaluation
             self.low: np.ndarray | None = None  # feature range seen in training (the controller's guard)
             self.high: np.ndarray | None = None
 
@@ -266,8 +265,9 @@ def make_callbacks(run_dir: Path, env_cfg: Any, agent: AgentConfig, tracker: Any
                 tracker.histogram("spec/k", self.ks, self.num_timesteps)
             self.acc, self.ks, self.ws, self.tokens, self.secs = [], [], [], 0.0, 0.0
 
-        def _evaluate(self) -> None:
-            """Validation episodes (training prompts, unused arrival seeds); keeps the best weights."""
+        def _evaluate(self) -> dict[str, Any]:
+            """Validation episodes (training prompts, unused arrival seeds); keeps the best weights.
+            Returns the entry it appended to validation.jsonl."""
             stats = obs_stats(self.training_env)
             save_stats(stats, run_dir / "obs_stats.json")
             pol = learned_policy(run_dir, env_cfg, agent, self.model)
@@ -285,9 +285,9 @@ def make_callbacks(run_dir: Path, env_cfg: Any, agent: AgentConfig, tracker: Any
                 self.model.save(str(run_dir / "best_model.zip"))
                 save_stats(stats, run_dir / "best_obs_stats.json")
                 (run_dir / "best.json").write_text(json.dumps(entry, indent=1))
-            self.history.append(entry)
             with (run_dir / "validation.jsonl").open("a") as f:
                 f.write(json.dumps(entry) + "\n")
+            return entry
 
     return SpecCallback()
 
@@ -506,11 +506,11 @@ def keep_best(run_dir: Path, model: Any, agent: AgentConfig, callback: Any, summ
     """Validate the final weights too, then make the best validated weights the run's policy
     (model.zip and obs_stats.json; the checkpoints keep the last weights for --resume)."""
     callback.init_callback(model)
-    callback._evaluate()  # the final weights become a candidate (saved as best if they are)
+    last = callback._evaluate()  # the final weights become a candidate (saved as best if they are)
     best = json.loads((run_dir / "best.json").read_text())
     summary["kept"] = {"step": best["step"], "validation_goodput": best["goodput"],
-                       "last_validation_goodput": callback.history[-1]["goodput"]}
-    if best["step"] == callback.history[-1]["step"]:
+                       "last_validation_goodput": last["goodput"]}
+    if best["step"] == last["step"]:
         return model
     shutil.copy(run_dir / "best_model.zip", run_dir / "model.zip")
     shutil.copy(run_dir / "best_obs_stats.json", run_dir / "obs_stats.json")

@@ -12,8 +12,9 @@ probability is not proposed (nor anything below it), drafting stops at the first
 row has a node left, and the verify pass is cut to the nodes some row still proposes. The action's
 (k, w) becomes the largest tree. Lossless either way: which nodes are proposed depends on the
 draft alone, never on the target; when sampling, it depends on the parent's top probability, not
-on the sampled token (a proposal kept only when its own draw is likely is no longer drawn from q). Costs one host read per drafted level (free on CPU, a
-synchronisation on CUDA), so it is off by default.
+on the sampled token (a proposal kept only when its own draw is likely is no longer drawn from q).
+Costs one host read per drafted level (free on CPU, a synchronisation on CUDA), so it is off by
+default.
 """
 
 from __future__ import annotations
