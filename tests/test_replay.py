@@ -145,11 +145,13 @@ def test_replay_and_live_env_agree_with_the_same_cost_model(tiny_traces, tiny_pa
 
 @pytest.mark.parametrize("variant", [
     dict(workload={"arrival": "closed", "concurrency": [1, 3, 6], "max_new_tokens": 40}, time_penalty="ar"),
+    dict(workload={"arrival": "closed", "concurrency": [1, 3, 6], "max_new_tokens": 40}, time_penalty="ar",
+         reward_per_row=True),
     dict(reward="latency", workload={"arrival": "poisson", "rate": [1.0, 6.0], "max_new_tokens": [8, 40],
                                      "max_batch_size": 4}),
     dict(reward="slo", switch_cost=2.0, workload={"arrival": "bursty", "max_new_tokens": 40, "slo_tpot_s": 0.05,
                                                   "max_batch_size": 3}),
-], ids=["closed", "poisson-latency", "bursty-slo"])
+], ids=["closed", "closed-per-row", "poisson-latency", "bursty-slo"])
 def test_vector_env_matches_scalar_replay_envs(variant, tiny_traces, tiny_pair_dirs, isolated_cache):
     """The native vectorised env reproduces N independent scalar replay envs step for step,
     auto-resets included."""
@@ -281,3 +283,30 @@ def test_validate_repeats_alternate_order_and_measure_live_noise(tiny_traces, ti
     assert "live noise" in summary(res) and "| 9.5% |" in table(res)
     with pytest.raises(ConfigError, match="repeats 0"):
         validate(cfg, ["ar"], loads, [0], pair=pair, progress=False, live_time="profiled", repeats=0)
+
+
+def test_reward_per_row_divides_by_the_batch(tiny_traces, tiny_pair_dirs, isolated_cache):
+    """reward_per_row: the same episode and actions give the plain reward / batch size at every step."""
+    from specrl.envs.vector import SpecReplayVecEnv
+
+    _, prompts, tr = tiny_traces
+    base = dict(prompts=_write(prompts, isolated_cache), horizon_s=3.0, time_penalty="ar",
+                workload={"arrival": "closed", "concurrency": [1, 3, 6], "max_new_tokens": 40})
+    envs = [SpecReplayVecEnv(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], reward_per_row=flag, **base), 3)
+            for flag in (False, True)]
+    for v in envs:
+        v.seed(7)
+        v.reset()
+    rng = np.random.default_rng(3)
+    batches = set()
+    for _ in range(80):
+        acts = rng.integers(0, [len(K), len(W)], size=(3, 2))
+        outs = []
+        for v in envs:
+            v.step_async(acts)
+            outs.append(v.step_wait())
+        (_, r_plain, _, infos), (_, r_row, _, _) = outs
+        b = np.array([max(1, i["batch_size"]) for i in infos])
+        batches |= set(b.tolist())
+        np.testing.assert_allclose(r_row, r_plain / b, rtol=1e-5, atol=1e-6)
+    assert len(batches) > 1  # the check saw more than one batch size

@@ -58,6 +58,8 @@ class SpecEnvBase(gym.Env):
         cfg = self.cfg
         if cfg.reward == "throughput":
             r = float(rep.tokens) - self._time_penalty(rep) * rep.dt
+            if cfg.reward_per_row:
+                r /= max(1, len(rep.result.rids))
         elif cfg.reward == "latency":
             r = -rep.system_time
         else:

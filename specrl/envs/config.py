@@ -52,6 +52,12 @@ class EnvConfig:
     the step's batch (cost model), so a step earns what it gains over not speculating; a number =
     fixed tokens/s; 'none'. Average-reward (SMDP) form: it charges a step for the time it takes
     even when the agent discounts future steps, and leaves the fixed-time return's optimum alone."""
+    reward_per_row: bool = False
+    """throughput reward only: divide each step's reward by its batch size (running requests).
+    PPO's loss weighs a sample by its advantage, and a batch-16 step's advantage is ~16x a batch-1
+    step's, so one policy trained across loads learns mostly from the high ones. Per row, every
+    load weighs alike; in a closed loop the batch is ~the concurrency for the whole episode, so an
+    episode's optimum does not move (open loop: steps at low batch weigh more)."""
     switch_cost: float = 0.0
     """Subtracted from the reward whenever the action differs from the previous one."""
     slo_penalty: float = 20.0

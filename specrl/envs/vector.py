@@ -352,6 +352,8 @@ class SpecReplayVecEnv(VecEnv):
         # rewards
         if cfg.reward == "throughput":
             rew = tokens.astype(np.float64) - self._time_penalty(batch, out["ctx_mean"]) * dt
+            if cfg.reward_per_row:
+                rew = rew / np.maximum(batch, 1)
         elif cfg.reward == "latency":
             rew = -system_time
         else:
