@@ -64,13 +64,17 @@ class Request:
 @lru_cache(maxsize=512)
 def _union_shape(actions: tuple[Action, ...]) -> tuple[TreeShape, np.ndarray]:
     """Union tree of the rows' (k, w) shapes and, per row, which union nodes it asked for."""
-    shapes = [tree_shape(a.k, a.w) for a in actions]
+    # a batch holds few distinct actions: build each shape, the union and each mask once
+    kinds = list(dict.fromkeys((a.k, a.w) for a in actions))
+    shapes = [tree_shape(k, w) for k, w in kinds]
     union = shapes[0]
     for s in shapes[1:]:
         if s is not union:
             union = union.union(s)
-    mask = np.stack([s.mask_in(union) for s in shapes])  # (B, n)
-    return union, mask
+    masks = np.stack([s.mask_in(union) for s in shapes])  # (distinct actions, n)
+    pos = {kw: i for i, kw in enumerate(kinds)}
+    row_kind = [pos[(a.k, a.w)] for a in actions]
+    return union, masks[row_kind]  # (B, n)
 
 
 class SpecEngine:
