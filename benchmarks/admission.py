@@ -28,9 +28,8 @@ import numpy as np
 
 from specrl.envs.config import load_cost_model, load_env_config
 from specrl.envs.vector import SpecReplayVecEnv
-from specrl.evaluate import parse_loads
+from specrl.evaluate import parse_loads, run_replay
 from specrl.policies import PolicyContext, make_policy
-from specrl.policies.base import ActionTable
 
 
 class HoldVec(SpecReplayVecEnv):
@@ -56,31 +55,16 @@ class HoldVec(SpecReplayVecEnv):
 def run(cfg, ctx: PolicyContext, spec: str, loads, seeds: list[int], hold: tuple[int, float],
         no_prefill: bool) -> dict[str, float]:
     """Mean goodput per load label of policy ``spec`` under an admission rule."""
-    table = ActionTable(cfg.k_choices, cfg.w_choices)
-    out: dict[str, float] = {}
-    for ld in loads:
-        vec = HoldVec(replace(cfg, workload=replace(cfg.workload, arrival=ld.arrival)), len(seeds))
+
+    def make_vec(env_cfg, n: int) -> HoldVec:
+        vec = HoldVec(env_cfg, n)
         vec.hold_min, vec.hold_max_s = hold
         if no_prefill:
             vec.cost = replace(vec.cost, prefill=(0.0, 0.0, 0.0))
-        vec.set_levels([ld.level() for _ in seeds])
-        vec.seed_each(seeds)
-        obs = vec.reset()
-        pols = [make_policy(spec, ctx) for _ in seeds]
-        done_eps: dict[int, float] = {}
-        while len(done_eps) < len(seeds):
-            if spec == "oracle":
-                acts, tok, sec = vec.action_outcomes()
-                for i, p in enumerate(pols):
-                    p.set_outcomes(acts, tok[i], sec[i])
-            vec.step_async(np.array([table.index(*p.decide(obs[i])) for i, p in enumerate(pols)]))
-            obs, _, dones, infos = vec.step_wait()
-            for i, p in enumerate(pols):
-                p.observe(obs[i], infos[i])
-                if dones[i]:
-                    done_eps.setdefault(i, infos[i]["episode_summary"]["goodput"])
-        out[ld.label] = float(np.mean(list(done_eps.values())))
-    return out
+        return vec
+
+    eps = run_replay(cfg, spec, loads, seeds, lambda: make_policy(spec, ctx), record_actions=False, make_vec=make_vec)
+    return {ld.label: float(np.mean([e.summary["goodput"] for e in eps if e.load == ld])) for ld in loads}
 
 
 def geomean(xs: list[float]) -> float:

@@ -98,15 +98,18 @@ def _env_cfg(base: Any, load: Load) -> Any:
 
 
 def run_replay(cfg: Any, policy_spec: str, loads: list[Load], seeds: list[int], make: Callable[[], Any],
-               record_actions: bool = True) -> list[Episode]:
-    """One episode per (load, seed) for one policy; same load kind shares one vectorised env."""
+               record_actions: bool = True, make_vec: Callable[[Any, int], Any] | None = None) -> list[Episode]:
+    """One episode per (load, seed) for one policy; same load kind shares one vectorised env.
+
+    ``make_vec(cfg, n)`` builds that env (default ``SpecReplayVecEnv``; what-if benchmarks pass a
+    subclass)."""
     from specrl.envs.vector import SpecReplayVecEnv
     from specrl.policies.base import ActionTable
 
     episodes: list[Episode] = []
     for kind in sorted({ld.arrival for ld in loads}):
         pts = [(ld, s) for ld in loads if ld.arrival == kind for s in seeds]
-        vec = SpecReplayVecEnv(_env_cfg(cfg, pts[0][0]), len(pts))
+        vec = (make_vec or SpecReplayVecEnv)(_env_cfg(cfg, pts[0][0]), len(pts))
         vec.set_levels([ld.level() for ld, _ in pts])
         vec.seed_each([s for _, s in pts])
         pols = [make() for _ in pts]

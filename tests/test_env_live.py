@@ -134,6 +134,7 @@ def test_every_preset_loads_and_steps(preset, tiny_model_dir):
     ({"w_choices": [0]}, "w_choices"),
     ({"k_choices": [17]}, "k_choices"),
     ({"reward": "goodput"}, "Unknown reward"),
+    ({"reward": "latency", "reward_per_row": True}, "reward_per_row=True only divides the throughput"),
     ({"workload": {"arrival": "trace", "trace_file": "nope.csv"}}, "does not exist"),
     ({"prompts": "missing.jsonl"}, "does not exist"),
 ])

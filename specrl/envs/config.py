@@ -108,6 +108,9 @@ class EnvConfig:
             raise ConfigError(f"time_penalty={self.time_penalty!r} is invalid. Allowed: 'none', 'ar' or tokens/s >= 0.")
         if not isinstance(self.time_penalty, str) and self.time_penalty < 0:
             raise ConfigError(f"time_penalty={self.time_penalty} is invalid. Allowed: 'none', 'ar' or tokens/s >= 0.")
+        if self.reward_per_row and self.reward != "throughput":
+            raise ConfigError(f"reward_per_row=True only divides the throughput reward, but reward={self.reward!r}. "
+                              "Fix: set reward: throughput or drop reward_per_row.")
         if not 0 < self.held_out < 1:
             raise ConfigError(f"held_out={self.held_out} is invalid. Allowed: 0 < held_out < 1.")
 
