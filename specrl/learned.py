@@ -16,8 +16,9 @@ from specrl.policies.base import BasePolicy, PolicyContext
 class SB3Policy(BasePolicy):
     def __init__(self, ctx: PolicyContext, model: Any, obs_mean: np.ndarray | None, obs_var: np.ndarray | None,
                  clip_obs: float = 10.0, frame_stack: int = 1, flat_actions: list[tuple[int, int]] | None = None,
-                 name: str = "learned") -> None:
+                 name: str = "learned", defer: BasePolicy | None = None) -> None:
         super().__init__(ctx)
+        self.defer = defer  # the rule behind the k head's extra "defer" choice (specrl.defer)
         self.model = model
         self.mean, self.var, self.clip = obs_mean, obs_var, clip_obs
         self.frame_stack = frame_stack
@@ -27,6 +28,12 @@ class SB3Policy(BasePolicy):
 
     def reset(self) -> None:
         self._stack: list[np.ndarray] = []
+        if getattr(self, "defer", None) is not None:
+            self.defer.reset()
+
+    def observe(self, features: np.ndarray, info: dict[str, Any]) -> None:
+        if self.defer is not None:
+            self.defer.observe(features, info)
 
     def normalise(self, features: np.ndarray) -> np.ndarray:
         x = np.asarray(features, np.float32)
@@ -46,4 +53,6 @@ class SB3Policy(BasePolicy):
             k, w = self.flat_actions[int(act)]
             return k, w
         ki, wi = (int(a) for a in np.asarray(act).reshape(-1))
+        if self.defer is not None and ki == len(self.ctx.k_choices):
+            return self.snap(*self.defer.decide(features))
         return self.table.value(ki, wi)

@@ -66,10 +66,13 @@ def collect(env_cfg: Any, rule: str, n_envs: int, steps: int, seed: int) -> Demo
 
 
 def clone(model: Any, obs_norm: np.ndarray, actions: np.ndarray, epochs: int, batch_size: int = 256,
-          lr: float = 1e-3, seed: int = 0) -> list[float]:
+          lr: float = 1e-3, seed: int = 0, smoothing: float = 0.0) -> list[float]:
     """Fit ``model.policy``'s action distribution to ``actions``; returns the mean loss per epoch.
 
     ``obs_norm`` (T, F) must already be normalised the way the model's env normalises.
+    ``smoothing`` (label smoothing, per head) leaves that much probability on the other choices:
+    a clone fitted to a loss of ~0 (a rule that is one action, as with ``defer``) is so
+    deterministic that PPO never tries anything else.
     """
     import torch
 
@@ -85,8 +88,12 @@ def clone(model: Any, obs_norm: np.ndarray, actions: np.ndarray, epochs: int, ba
         total, n = 0.0, 0
         for s in range(0, len(x), batch_size):
             idx = perm[s : s + batch_size]
-            _, log_prob, _ = pol.evaluate_actions(x[idx], y[idx])  # (b,) summed over both heads
-            loss = -log_prob.mean()
+            dist = pol.get_distribution(x[idx])
+            loss = -dist.log_prob(y[idx]).mean()  # log-prob summed over both heads, (b,) -> ()
+            if smoothing:
+                heads = dist.distribution if isinstance(dist.distribution, list) else [dist.distribution]
+                uniform = sum(h.logits.mean(-1) for h in heads)  # (b,) mean log-prob over each head's choices
+                loss = (1.0 - smoothing) * loss - smoothing * uniform.mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -97,7 +104,11 @@ def clone(model: Any, obs_norm: np.ndarray, actions: np.ndarray, epochs: int, ba
     return losses
 
 
-def agreement(model: Any, obs_norm: np.ndarray, actions: np.ndarray) -> float:
-    """Fraction of states where the clone's deterministic action equals the rule's."""
-    pred, _ = model.predict(obs_norm, deterministic=True)
-    return float(np.mean(np.all(np.asarray(pred).reshape(-1, 2) == actions, axis=1)))
+def agreement(model: Any, obs_norm: np.ndarray, actions: np.ndarray, defer_index: int | None = None) -> float:
+    """Fraction of states where the clone's deterministic action equals the rule's. Where the label
+    is the k head's ``defer_index`` (``specrl.defer``) the w head is ignored, as the env ignores it."""
+    pred = np.asarray(model.predict(obs_norm, deterministic=True)[0]).reshape(-1, 2)  # (T, 2)
+    same = pred == actions
+    if defer_index is not None:
+        same[:, 1] |= actions[:, 0] == defer_index
+    return float(np.mean(np.all(same, axis=1)))

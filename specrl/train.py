@@ -71,6 +71,13 @@ class AgentConfig:
     """Env steps of the rule's rollouts used as demonstrations."""
     pretrain_epochs: int = 30
     """Passes of supervised fitting over the demonstrations."""
+    pretrain_smoothing: float = 0.0
+    """Label smoothing of the clone (probability left on the other choices of each head), so that
+    PPO still explores from it (see ``specrl.pretrain.clone``)."""
+    defer: str | None = None
+    """Add a choice to the k head that hands the step to this rule (e.g. ``goodput``; null = off):
+    residual RL over a rule, see ``specrl.defer``. With ``pretrain`` set to the same rule the clone
+    is the rule exactly. PPO and A2C."""
     hyperparams: dict[str, Any] = field(default_factory=dict)
     """Passed as keyword arguments to the Stable-Baselines3 algorithm."""
 
@@ -87,6 +94,16 @@ class AgentConfig:
         if self.pretrain and (self.algo == "dqn" or self.frame_stack > 1):
             raise ConfigError(f"pretrain={self.pretrain!r} works with algo ppo or a2c and frame_stack 1 (got algo="
                               f"{self.algo!r}, frame_stack={self.frame_stack}). Fix: set pretrain: null or change those.")
+        if not 0.0 <= self.pretrain_smoothing < 1.0:
+            raise ConfigError(f"pretrain_smoothing={self.pretrain_smoothing} is outside [0, 1). Fix: e.g. 0.1 (10% of "
+                              "each head's probability spread over its other choices) or 0 (off).")
+        if self.defer:
+            from specrl.defer import check_rule
+
+            if self.algo == "dqn":
+                raise ConfigError(f"defer={self.defer!r} extends the k head of a MultiDiscrete policy; algo 'dqn' acts "
+                                  "on a flattened table. Fix: use algo ppo or a2c, or set defer: null.")
+            check_rule(self.defer)
 
 
 def load_agent_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> AgentConfig:
@@ -106,7 +123,7 @@ class FlatActions:
 
 
 def make_vec_env(env_cfg: Any, agent: AgentConfig, seed: int, stats: dict[str, np.ndarray] | None = None):
-    """The training VecEnv stack: replay env -> (flat actions) -> VecNormalize -> (frame stack)."""
+    """The training VecEnv stack: replay env -> (defer | flat actions) -> VecNormalize -> (frame stack)."""
     from gymnasium import spaces
     from stable_baselines3.common.vec_env import VecEnvWrapper, VecFrameStack, VecNormalize
 
@@ -117,6 +134,10 @@ def make_vec_env(env_cfg: Any, agent: AgentConfig, seed: int, stats: dict[str, n
                           "the live env is for validation and spot checks.")
     vec = SpecReplayVecEnv(env_cfg, agent.n_envs)
     vec.seed(seed)
+    if agent.defer:  # innermost: the rule decides on raw features
+        from specrl.defer import make_vec_defer
+
+        vec = make_vec_defer(vec, agent.defer, policy_context(env_cfg))
     if agent.algo == "dqn":
         flat = FlatActions(env_cfg.k_choices, env_cfg.w_choices)
 
@@ -184,19 +205,28 @@ def load_stats(path: Path) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, np.float64) for k, v in d.items()}
 
 
+def policy_context(env_cfg: Any) -> Any:
+    """The PolicyContext of ``env_cfg``: action tables, cost model, drafter."""
+    from specrl.envs.config import load_cost_model
+    from specrl.policies import PolicyContext
+
+    return PolicyContext(env_cfg.k_choices, env_cfg.w_choices, load_cost_model(env_cfg), env_cfg.drafter)
+
+
 def learned_policy(run_dir: Path, env_cfg: Any, agent: AgentConfig, model: Any = None, name: str = "learned") -> Any:
     """The run's policy as a specrl policy (deterministic actions)."""
-    from specrl.envs.config import load_cost_model
     from specrl.learned import SB3Policy
-    from specrl.policies import PolicyContext
+    from specrl.policies import make_policy
 
     if model is None:
         model = load_model(run_dir, agent)
     stats = load_stats(run_dir / "obs_stats.json") if agent.normalize_obs else None
-    ctx = PolicyContext(env_cfg.k_choices, env_cfg.w_choices, load_cost_model(env_cfg), env_cfg.drafter)
+    ctx = policy_context(env_cfg)
     flat = FlatActions(env_cfg.k_choices, env_cfg.w_choices).actions if agent.algo == "dqn" else None
+    defer = make_policy(agent.defer, ctx) if agent.defer else None
     return SB3Policy(ctx, model, None if stats is None else stats["mean"].astype(np.float32),
-                     None if stats is None else stats["var"].astype(np.float32), 10.0, agent.frame_stack, flat, name)
+                     None if stats is None else stats["var"].astype(np.float32), 10.0, agent.frame_stack, flat, name,
+                     defer=defer)
 
 
 def load_model(run_dir: Path, agent: AgentConfig, path: Path | None = None) -> Any:
@@ -218,6 +248,7 @@ def make_callbacks(run_dir: Path, env_cfg: Any, agent: AgentConfig, tracker: Any
             self.acc: list[float] = []
             self.ks: list[int] = []
             self.ws: list[int] = []
+            self.deferred = 0  # steps handed to agent.defer's rule (specrl.defer)
             self.tokens = 0.0
             self.secs = 0.0
             self.next_ckpt = agent.checkpoint_every
@@ -243,6 +274,7 @@ def make_callbacks(run_dir: Path, env_cfg: Any, agent: AgentConfig, tracker: Any
                 self.acc.append(info["accept_len_mean"])
                 self.ks.append(info["k"])
                 self.ws.append(info["w"])
+                self.deferred += bool(info.get("deferred", False))
                 self.tokens += info["tokens"]
                 self.secs += info["dt"]
             if self.next_ckpt and self.num_timesteps >= self.next_ckpt:
@@ -261,9 +293,11 @@ def make_callbacks(run_dir: Path, env_cfg: Any, agent: AgentConfig, tracker: Any
             hist = np.bincount(np.asarray(self.ks), minlength=max(env_cfg.k_choices) + 1)
             for k in env_cfg.k_choices:
                 self.logger.record(f"spec/action_k{k}", float(hist[k] / hist.sum()))
+            if agent.defer:
+                self.logger.record("spec/deferred", self.deferred / len(self.ks))
             if tracker is not None:
                 tracker.histogram("spec/k", self.ks, self.num_timesteps)
-            self.acc, self.ks, self.ws, self.tokens, self.secs = [], [], [], 0.0, 0.0
+            self.acc, self.ks, self.ws, self.tokens, self.secs, self.deferred = [], [], [], 0.0, 0.0, 0
 
         def _evaluate(self) -> dict[str, Any]:
             """Validation episodes (training prompts, unused arrival seeds); keeps the best weights.
@@ -322,6 +356,8 @@ def _fresh(policy: Any) -> Any:
     import copy
 
     p = copy.copy(policy)
+    if getattr(p, "defer", None) is not None:  # a rule's per-stream state must not be shared
+        p.defer = copy.deepcopy(p.defer)
     p.reset()
     return p
 
@@ -469,6 +505,9 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
     warm = warm_start(model, vec, env_cfg, agent, seed, progress) if agent.pretrain and ck is None else None
     base = validation_baselines(env_cfg, agent) if agent.eval_every else None
     callback = make_callbacks(run_dir, env_cfg, agent, tracker, base)
+    if warm is not None and agent.keep == "best":  # the clone itself is a candidate (step 0)
+        callback.init_callback(model)
+        callback._evaluate()
     t0 = time.perf_counter()
     remaining = max(0, agent.total_timesteps - done)
     if remaining:
@@ -525,12 +564,17 @@ def warm_start(model: Any, vec: Any, env_cfg: Any, agent: AgentConfig, seed: int
     if progress:
         print(f"pretrain: cloning {agent.pretrain!r} from {agent.pretrain_steps} replay steps ...", flush=True)
     demos = pretrain.collect(env_cfg, agent.pretrain, agent.n_envs, agent.pretrain_steps, seed + 10_000)
+    if agent.defer == agent.pretrain:  # the clone of the deferred-to rule is "always defer"
+        from specrl.defer import defer_labels
+
+        demos.actions = defer_labels(demos.actions, len(env_cfg.k_choices))
     if agent.normalize_obs:  # the clone and the RL phase see the same normalisation
         set_obs_stats(vec, {"mean": demos.obs.mean(axis=0), "var": demos.obs.var(axis=0), "count": len(demos.obs)})
     x = _normalizer(vec).normalize_obs(demos.obs)
-    losses = pretrain.clone(model, x, demos.actions, agent.pretrain_epochs, seed=seed)
+    losses = pretrain.clone(model, x, demos.actions, agent.pretrain_epochs, seed=seed,
+                            smoothing=agent.pretrain_smoothing)
     out = {"rule": agent.pretrain, "demo_steps": int(len(demos.obs)), "demo_goodput": demos.goodput,
-           "loss_first": losses[0], "loss_last": losses[-1], "agreement": pretrain.agreement(model, x, demos.actions),
+           "loss_first": losses[0], "loss_last": losses[-1], "agreement": pretrain.agreement(model, x, demos.actions, len(env_cfg.k_choices) if agent.defer else None),
            "seconds": time.perf_counter() - t0}
     for key in ("loss_last", "agreement", "demo_goodput"):
         model.logger.record(f"pretrain/{key}", out[key])

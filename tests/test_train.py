@@ -16,6 +16,7 @@ TINY = ["agent.total_timesteps=256", "agent.n_envs=4", "agent.eval_every=0", "ag
         "agent.eval_seeds=1", "agent.eval_loads=[closed:1]", "agent.eval_horizon_s=2.0",
         "agent.pretrain_steps=128", "agent.pretrain_epochs=2"]
 SMALL_BATCH = {"ppo": ["agent.hyperparams.n_steps=32", "agent.hyperparams.batch_size=64"],
+               "ppo-defer": ["agent.hyperparams.n_steps=32", "agent.hyperparams.batch_size=64"],
                "ppo-framestack": ["agent.hyperparams.n_steps=32", "agent.hyperparams.batch_size=64"],
                "a2c": [], "dqn": ["agent.hyperparams.learning_starts=32", "agent.hyperparams.buffer_size=1000"]}
 
@@ -25,7 +26,7 @@ def tiny_env(tiny_replay_env):
     return tiny_replay_env
 
 
-@pytest.mark.parametrize("agent", ["ppo", "a2c", "dqn", "ppo-framestack"])
+@pytest.mark.parametrize("agent", ["ppo", "a2c", "dqn", "ppo-framestack", "ppo-defer"])
 def test_every_agent_preset_trains_and_evaluates(agent, tiny_env, tmp_path):
     summary = train(tiny_env, f"agents/{agent}.yaml", TINY + SMALL_BATCH[agent], seed=1, run_dir=tmp_path / agent,
                     progress=False)
@@ -60,7 +61,8 @@ def test_keep_best_validates_on_training_prompts_and_keeps_the_best(tiny_env, tm
                                                          "agent.total_timesteps=384"],
                     seed=3, run_dir=tmp_path / "kb", progress=False)
     hist = [json.loads(line) for line in (tmp_path / "kb" / "validation.jsonl").read_text().splitlines()]
-    assert len(hist) >= 4  # every 128 steps, and the final weights
+    assert len(hist) >= 5  # the behaviour clone (step 0), every 128 steps, and the final weights
+    assert hist[0]["step"] == 0
     assert all("vs_best_baseline" in h for h in hist)
     assert summary["kept"]["validation_goodput"] == max(h["goodput"] for h in hist)
     assert calls[-1] == ("test", 0)  # the final evaluation: held-out prompts

@@ -4,8 +4,9 @@ Artifact layout (directory):
 
 * ``controller.json``: format and version, feature schema (version and field list), kind
   (``mlp`` or ``rule``), the network layout (layer tensor names, activations, action heads),
-  observation normalisation (mean, var, clip), frame stacking, action tables, the deterministic
-  action rule, the guard (training feature range, fallback rule), provenance.
+  observation normalisation (mean, var, clip), frame stacking, action tables (``defer``: the rule
+  behind the k head's extra choice, see ``specrl.defer``), the deterministic action rule, the
+  guard (training feature range, fallback rule), provenance.
 * ``policy.safetensors``: the weights (``mlp`` only). safetensors holds raw tensors: loading it
   cannot execute code, unlike a pickle.
 
@@ -78,6 +79,8 @@ class Controller:
         else:
             self.rule = self._make_rule(meta["rule"])
         self.fallback = self._make_rule(self.fallback_name)
+        # the k head's extra choice that hands the step to a rule (specrl.defer); None = no such choice
+        self.defer = self._make_rule(act["defer"]) if act.get("defer") else None
 
     # ----- loading --------------------------------------------------------------------------------
     @staticmethod
@@ -118,7 +121,7 @@ class Controller:
     def reset(self) -> None:
         """Start of a new request stream (clears frame stacks and rule state)."""
         self._stack = []
-        for r in (self.rule, self.fallback):
+        for r in (self.rule, self.fallback, self.defer):
             if r is not None:
                 r.reset()
 
@@ -132,7 +135,7 @@ class Controller:
     def decide(self, features: np.ndarray) -> tuple[int, int]:
         """(k, w) for the next step. Never raises: out-of-range features and errors fall back."""
         try:
-            x = np.asarray(features, np.float32).reshape(-1)
+            x = raw = np.asarray(features, np.float32).reshape(-1)
             if x.shape[0] != NUM_FEATURES:
                 raise ValueError(f"expected {NUM_FEATURES} features (schema v{SCHEMA_VERSION}), got {x.shape[0]}")
             if self.rule is not None:
@@ -154,6 +157,8 @@ class Controller:
                 return self.flat[int(logits.argmax())]
             ki = int(logits[self.split[0] : self.split[1]].argmax())
             wi = int(logits[self.split[1] : self.split[2]].argmax())
+            if self.defer is not None and ki == len(self.k_choices):
+                return self.defer.decide(raw)
             k = self.k_choices[ki]
             return (k, 1) if k == 0 else (k, self.w_choices[wi])
         except Exception:  # noqa: BLE001 - the serving loop must not die because of the controller
@@ -165,7 +170,7 @@ class Controller:
 
     def observe(self, features: np.ndarray, info: dict[str, Any]) -> None:
         """Let stateful rules (and the fallback) see what a step did."""
-        for r in (self.rule, self.fallback):
+        for r in (self.rule, self.fallback, self.defer):
             if r is not None:
                 r.observe(features, info)
 
@@ -213,6 +218,9 @@ def _check_meta(meta: Any, where: Path) -> None:
                      f"{where}: normalization statistics hold NaN, inf or negative variances.")
     else:
         _require(isinstance(meta.get("rule"), str), f"{where}: a rule artifact needs a 'rule' name.")
+    _require(act.get("defer") is None or (isinstance(act["defer"], str) and act["defer"].split(":")[0] != "oracle"),
+             f"{where}: actions.defer must be the name of a rule that decides from the features, got "
+             f"{act.get('defer')!r}.")
 
 
 def _load_weights(path: Path, meta: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -249,4 +257,9 @@ def _load_weights(path: Path, meta: dict[str, Any]) -> dict[str, np.ndarray]:
     sizes = arch["head"].get("sizes")
     _require(isinstance(sizes, list) and sum(sizes) == dim,
              f"{path}: head sizes {sizes} do not add up to the head's {dim} outputs.")
+    act = meta["actions"]
+    if act.get("kind") != "flat":
+        want = [len(act["k_choices"]) + (1 if act.get("defer") else 0), len(act["w_choices"])]
+        _require(sizes == want, f"{path}: head sizes {sizes} do not match the action tables (expected {want}: "
+                 f"k choices{' + defer' if act.get('defer') else ''}, w choices). Fix: re-export the controller.")
     return {k: v.astype(np.float32) for k, v in weights.items()}

@@ -91,6 +91,10 @@ def export_run(run_dir: Path, out: Path, fallback: str | None = None, margin: fl
         actions = {"kind": "multidiscrete", "k_choices": env_cfg.k_choices, "w_choices": env_cfg.w_choices}
         sizes = [len(env_cfg.k_choices), len(env_cfg.w_choices)]
         rule = "argmax of each head's logits (k head, then w head); k = 0 ignores w"
+        if agent.defer:
+            actions["defer"] = agent.defer
+            sizes[0] += 1
+            rule += f"; the k head's last choice hands the step to the {agent.defer!r} rule (on the raw features)"
     stats = load_stats(run_dir / "obs_stats.json") if agent.normalize_obs else None
     rng_path = run_dir / "obs_range.json"
     low = high = None
