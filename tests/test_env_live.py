@@ -135,6 +135,7 @@ def test_every_preset_loads_and_steps(preset, tiny_model_dir):
     ({"k_choices": [17]}, "k_choices"),
     ({"reward": "goodput"}, "Unknown reward"),
     ({"reward": "latency", "reward_per_row": True}, "reward_per_row=True only divides the throughput"),
+    ({"reward": "slo", "time_penalty": "ar"}, "charged by the throughput reward only"),
     ({"workload": {"arrival": "trace", "trace_file": "nope.csv"}}, "does not exist"),
     ({"prompts": "missing.jsonl"}, "does not exist"),
 ])

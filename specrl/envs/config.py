@@ -108,6 +108,10 @@ class EnvConfig:
             raise ConfigError(f"time_penalty={self.time_penalty!r} is invalid. Allowed: 'none', 'ar' or tokens/s >= 0.")
         if not isinstance(self.time_penalty, str) and self.time_penalty < 0:
             raise ConfigError(f"time_penalty={self.time_penalty} is invalid. Allowed: 'none', 'ar' or tokens/s >= 0.")
+        if self.reward != "throughput" and self.time_penalty not in ("none", 0, 0.0):
+            raise ConfigError(f"time_penalty={self.time_penalty!r} is charged by the throughput reward only, but reward="
+                              f"{self.reward!r} (it would be silently ignored). Fix: set reward: throughput or "
+                              "time_penalty: none.")
         if self.reward_per_row and self.reward != "throughput":
             raise ConfigError(f"reward_per_row=True only divides the throughput reward, but reward={self.reward!r}. "
                               "Fix: set reward: throughput or drop reward_per_row.")
