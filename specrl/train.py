@@ -334,7 +334,9 @@ def quick_eval(env_cfg: Any, agent: AgentConfig, policy: Any, policies: list[str
 
     from specrl.evaluate import evaluate, parse_loads
 
-    cfg = replace(env_cfg, prompt_split=split, horizon_s=agent.eval_horizon_s)
+    # the standard evaluation: all categories in every episode, whatever training drew
+    cfg = replace(env_cfg, prompt_split=split, horizon_s=agent.eval_horizon_s,
+                  workload=replace(env_cfg.workload, episode_categories=0))
     loads = parse_loads(list(agent.eval_loads))
     extra = {}
     if policy is not None:

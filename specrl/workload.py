@@ -60,6 +60,12 @@ class WorkloadConfig:
     """phase: the phases in order (the last one repeats)."""
     trace_file: str | None = None
     """trace: file of arrival timestamps."""
+    episode_categories: int | list[int] = 0
+    """closed / poisson / bursty: each episode draws its prompts from this many of the pool's
+    categories, chosen at random per episode (0 = all; a list draws the number per episode). For
+    training: episodes whose acceptance differs make a policy read acceptance from the features
+    instead of memorising the average category mix (README: generalisation). Training's own
+    evaluations use all categories."""
     max_batch_size: int = 16
     """At most this many requests decode together; the rest wait in a FIFO queue."""
     max_new_tokens: int | list[int] = 128
@@ -85,6 +91,13 @@ class WorkloadConfig:
                 raise ConfigError(f"workload.{name}={getattr(self, name)} is invalid. Allowed: > 0.")
         if self.burst_rate_off < 0:
             raise ConfigError(f"workload.burst_rate_off={self.burst_rate_off} is invalid. Allowed: >= 0.")
+        for n in _as_list(self.episode_categories):
+            if int(n) < 0:
+                raise ConfigError(f"workload.episode_categories={n} is invalid. Allowed: 0 (all categories) or a "
+                                  "number of categories >= 1 drawn per episode.")
+        if any(_as_list(self.episode_categories)) and self.arrival in ("phase", "trace"):
+            raise ConfigError(f"workload.episode_categories applies to closed, poisson and bursty arrivals; "
+                              f"arrival={self.arrival!r} sets its categories itself. Fix: set episode_categories: 0.")
         if self.arrival == "phase":
             if not self.phases:
                 raise ConfigError("workload.arrival='phase' needs workload.phases (a list of {duration_s, rate, categories}).")
@@ -131,6 +144,7 @@ class PromptPool:
             self._by_cat[c].append(i)  # type: ignore[union-attr]
         self._by_cat = {c: np.asarray(v) for c, v in self._by_cat.items()}
         self._all = np.arange(len(self.ids))
+        self.names = sorted(self._by_cat)  # the pool's categories
 
     def sample(self, rng: np.random.Generator, categories: list[str] | None = None) -> int:
         if not categories:
@@ -173,13 +187,14 @@ class Workload:
         self._pending: list[Arrival] = []
         self._cursor = 0
         self._trace = _read_trace(cfg.trace_file) if cfg.arrival == "trace" else None
+        self.episode_categories: list[str] | None = None  # this episode's categories (None = all)
 
     def _max_new(self) -> int:
         m = _as_list(self.cfg.max_new_tokens)
         return int(m[0]) if len(m) == 1 else int(self.rng.integers(int(m[0]), int(m[1]) + 1))
 
     def _arrival(self, t: float, categories: list[str] | None = None, max_new: int | None = None) -> Arrival:
-        return Arrival(t, self.pool.sample(self.rng, categories), max_new or self._max_new())
+        return Arrival(t, self.pool.sample(self.rng, categories or self.episode_categories), max_new or self._max_new())
 
     def reset(self, seed: int | None, horizon_s: float, level: dict[str, float] | None = None) -> list[Arrival]:
         """Start an episode; returns the arrivals at t = 0. ``level`` pins concurrency / rate."""
@@ -187,6 +202,11 @@ class Workload:
         cfg = self.cfg
         lvl = dict(level or {})
         self._pending, self._cursor = [], 0
+        self.episode_categories = None
+        if any(_as_list(cfg.episode_categories)):  # draws nothing from the RNG when off
+            n = int(self.rng.choice(_as_list(cfg.episode_categories)))
+            if 0 < n < len(self.pool.names):
+                self.episode_categories = sorted(self.rng.choice(self.pool.names, n, replace=False).tolist())
         if cfg.arrival == "closed":
             c = int(lvl.get("concurrency", self.rng.choice(_as_list(cfg.concurrency))))
             self.level = {"arrival": "closed", "concurrency": c}

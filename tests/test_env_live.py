@@ -97,6 +97,30 @@ def test_workload_seeded_determinism(tiny_model_dir):
         assert trace(7) != trace(8)
 
 
+def test_episode_categories_draw_a_category_subset_per_episode():
+    """episode_categories=n: every arrival of an episode comes from the same n categories, the
+    subset changes between episodes, and 0 (the default) draws nothing extra from the RNG."""
+    from specrl.workload import PromptPool, Workload, WorkloadConfig
+
+    cats = ["a", "b", "c", "d"]
+    pool = PromptPool([np.arange(5) + i for i in range(40)], cats * 10)
+    for arrival in ("closed", "poisson"):
+        wl = Workload(WorkloadConfig(arrival=arrival, rate=4.0, concurrency=6, episode_categories=[1, 2]), pool)
+        seen = set()
+        for seed in range(12):
+            first = wl.reset(seed, horizon_s=20)
+            arr = first + (wl.closed_stream(30) if arrival == "closed" else wl.arrivals_until(1e9))
+            got = {pool.categories[a.prompt] for a in arr}
+            assert wl.episode_categories is not None and got == set(wl.episode_categories), (arrival, seed)
+            seen.add(tuple(wl.episode_categories))
+        assert {len(s) for s in seen} == {1, 2} and len(seen) >= 4
+    plain = Workload(WorkloadConfig(arrival="closed", concurrency=6), pool)
+    off = Workload(WorkloadConfig(arrival="closed", concurrency=6, episode_categories=0), pool)
+    assert [a.prompt for a in plain.reset(3, 20) + plain.closed_stream(20)] == \
+        [a.prompt for a in off.reset(3, 20) + off.closed_stream(20)]
+    assert off.episode_categories is None
+
+
 def test_phase_workload_switches_categories():
     from specrl.workload import PhaseSpec, PromptPool, Workload, WorkloadConfig
 
@@ -136,6 +160,9 @@ def test_every_preset_loads_and_steps(preset, tiny_model_dir):
     ({"reward": "goodput"}, "Unknown reward"),
     ({"reward": "latency", "reward_per_row": True}, "reward_per_row=True only divides the throughput"),
     ({"reward": "slo", "time_penalty": "ar"}, "charged by the throughput reward only"),
+    ({"workload": {"episode_categories": -1}}, "episode_categories=-1"),
+    ({"workload": {"arrival": "phase", "episode_categories": 2,
+                   "phases": [{"duration_s": 5, "rate": 1.0}]}}, "sets its categories itself"),
     ({"workload": {"arrival": "trace", "trace_file": "nope.csv"}}, "does not exist"),
     ({"prompts": "missing.jsonl"}, "does not exist"),
 ])

@@ -151,7 +151,9 @@ def test_replay_and_live_env_agree_with_the_same_cost_model(tiny_traces, tiny_pa
                                      "max_batch_size": 4}),
     dict(reward="slo", switch_cost=2.0, workload={"arrival": "bursty", "max_new_tokens": 40, "slo_tpot_s": 0.05,
                                                   "max_batch_size": 3}),
-], ids=["closed", "closed-per-row", "poisson-latency", "bursty-slo"])
+    dict(workload={"arrival": "closed", "concurrency": [1, 3, 6], "max_new_tokens": 40, "episode_categories": [1, 2]},
+         time_penalty="ar"),
+], ids=["closed", "closed-per-row", "poisson-latency", "bursty-slo", "closed-episode-categories"])
 def test_vector_env_matches_scalar_replay_envs(variant, tiny_traces, tiny_pair_dirs, isolated_cache):
     """The native vectorised env reproduces N independent scalar replay envs step for step,
     auto-resets included."""

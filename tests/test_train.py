@@ -185,3 +185,18 @@ def test_pretrain_refuses_the_oracle(tiny_env):
 
     with pytest.raises(ConfigError, match="cannot be cloned"):
         collect(load_env_config(tiny_env), "oracle", 2, 10, 0)
+
+
+def test_training_evaluations_use_every_category(tiny_env, monkeypatch):
+    """workload.episode_categories shapes training episodes only: the periodic validations and the
+    final evaluation run the standard episodes (every category in every episode)."""
+    import specrl.evaluate as ev
+    from specrl.envs.config import load_env_config
+    from specrl.train import quick_eval
+
+    seen = []
+    monkeypatch.setattr(ev, "evaluate", lambda cfg, *a, **k: seen.append(cfg.workload.episode_categories))
+    cfg = load_env_config(tiny_env, workload={"arrival": "closed", "concurrency": [1, 4], "episode_categories": [1, 2]})
+    quick_eval(cfg, load_agent_config("agents/ppo.yaml"), None, ["ar"], split="train", seed0=1000)
+    quick_eval(cfg, load_agent_config("agents/ppo.yaml"), None, ["ar"])
+    assert seen == [0, 0] and cfg.workload.episode_categories == [1, 2]
