@@ -65,8 +65,7 @@ def main() -> None:
     trained = {str(c) for c in conc} if cfg.workload.arrival == "closed" else set()
     unseen = [ld.label for ld in loads if ld.label.split(":")[1] not in trained]
     # held-out prompts of the chosen categories; the full load sweep is given explicitly
-    ev = replace(cfg, categories=cats, prompt_split="test", horizon_s=EVAL_HORIZON_S,
-                 workload=replace(cfg.workload, episode_categories=0))  # standard episodes
+    ev = replace(cfg, categories=cats, prompt_split="test", horizon_s=EVAL_HORIZON_S)  # evaluate() runs standard episodes
     learned = learned_policy(run, cfg, agent)
     extra = {"learned": lambda: _fresh(learned)}
     if args.reference:

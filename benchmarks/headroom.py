@@ -46,7 +46,7 @@ import numpy as np
 from specrl.envs.config import load_env_config
 from specrl.envs.replay import load_replay_data
 from specrl.envs.vector import SpecReplayVecEnv
-from specrl.evaluate import evaluate, parse_loads
+from specrl.evaluate import episode_env_config, evaluate, parse_loads
 from specrl.replay import popcount64
 
 ML_EDGES = np.arange(1, 7)  # match length 0..6+
@@ -94,7 +94,7 @@ def run_predictor(cfg, loads, seeds: list[int], pred: np.ndarray) -> dict[str, f
     """Goodput (tokens / s) per load label of the myopic argmax with per-row predictions."""
     out: dict[str, float] = {}
     for ld in loads:
-        vec = SpecReplayVecEnv(replace(cfg, workload=replace(cfg.workload, arrival=ld.arrival)), len(seeds))
+        vec = SpecReplayVecEnv(episode_env_config(cfg, ld), len(seeds))
         vec.set_levels([ld.level() for _ in seeds])
         vec.seed_each(seeds)
         vec.reset()

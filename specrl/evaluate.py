@@ -90,10 +90,12 @@ class Episode:
     actions: list[tuple[float, int, int]] = field(default_factory=list)  # (time, k, w) per step
 
 
-def _env_cfg(base: Any, load: Load) -> Any:
+def episode_env_config(base: Any, load: Load) -> Any:
+    """The env config of one load point's episodes. Evaluation episodes draw from every category:
+    ``workload.episode_categories`` shapes training episodes only."""
     from dataclasses import replace
 
-    wl = replace(base.workload, arrival=load.arrival)
+    wl = replace(base.workload, arrival=load.arrival, episode_categories=0)
     return replace(base, workload=wl)
 
 
@@ -109,7 +111,7 @@ def run_replay(cfg: Any, policy_spec: str, loads: list[Load], seeds: list[int], 
     episodes: list[Episode] = []
     for kind in sorted({ld.arrival for ld in loads}):
         pts = [(ld, s) for ld in loads if ld.arrival == kind for s in seeds]
-        vec = (make_vec or SpecReplayVecEnv)(_env_cfg(cfg, pts[0][0]), len(pts))
+        vec = (make_vec or SpecReplayVecEnv)(episode_env_config(cfg, pts[0][0]), len(pts))
         vec.set_levels([ld.level() for ld, _ in pts])
         vec.seed_each([s for _, s in pts])
         pols = [make() for _ in pts]
@@ -154,7 +156,7 @@ def run_live(cfg: Any, policy_spec: str, loads: list[Load], seeds: list[int], ma
     table = ActionTable(cfg.k_choices, cfg.w_choices)
     episodes = []
     for ld in loads:
-        env = specrl.make_env(_env_cfg(cfg, ld), backend="live", pair=pair)
+        env = specrl.make_env(episode_env_config(cfg, ld), backend="live", pair=pair)
         loop = env.unwrapped.loop
         own_time, sums = loop.time_fn, [0.0, 0.0]
 

@@ -334,9 +334,7 @@ def quick_eval(env_cfg: Any, agent: AgentConfig, policy: Any, policies: list[str
 
     from specrl.evaluate import evaluate, parse_loads
 
-    # the standard evaluation: all categories in every episode, whatever training drew
-    cfg = replace(env_cfg, prompt_split=split, horizon_s=agent.eval_horizon_s,
-                  workload=replace(env_cfg.workload, episode_categories=0))
+    cfg = replace(env_cfg, prompt_split=split, horizon_s=agent.eval_horizon_s)
     loads = parse_loads(list(agent.eval_loads))
     extra = {}
     if policy is not None:

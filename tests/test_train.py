@@ -187,16 +187,17 @@ def test_pretrain_refuses_the_oracle(tiny_env):
         collect(load_env_config(tiny_env), "oracle", 2, 10, 0)
 
 
-def test_training_evaluations_use_every_category(tiny_env, monkeypatch):
-    """workload.episode_categories shapes training episodes only: the periodic validations and the
-    final evaluation run the standard episodes (every category in every episode)."""
-    import specrl.evaluate as ev
+def test_training_evaluations_use_every_category(tiny_env):
+    """workload.episode_categories shapes training episodes only: evaluations (the periodic
+    validations, the final one, `specrl evaluate`) run the standard episodes, every category in
+    every episode, so their results do not depend on it."""
     from specrl.envs.config import load_env_config
-    from specrl.train import quick_eval
+    from specrl.train import prepare, quick_eval
 
-    seen = []
-    monkeypatch.setattr(ev, "evaluate", lambda cfg, *a, **k: seen.append(cfg.workload.episode_categories))
-    cfg = load_env_config(tiny_env, workload={"arrival": "closed", "concurrency": [1, 4], "episode_categories": [1, 2]})
-    quick_eval(cfg, load_agent_config("agents/ppo.yaml"), None, ["ar"], split="train", seed0=1000)
-    quick_eval(cfg, load_agent_config("agents/ppo.yaml"), None, ["ar"])
-    assert seen == [0, 0] and cfg.workload.episode_categories == [1, 2]
+    agent = load_agent_config("agents/ppo.yaml", {"eval_loads": ["closed:1,4"], "eval_seeds": 2, "eval_horizon_s": 3.0})
+    res = {}
+    for n in (0, [1, 2]):
+        cfg = load_env_config(tiny_env, workload={"arrival": "closed", "concurrency": [1, 4], "episode_categories": n})
+        prepare(cfg, progress=False)
+        res[str(n)] = quick_eval(cfg, agent, None, ["ar", "goodput"])["by_load"]
+    assert res["0"] == res["[1, 2]"]
