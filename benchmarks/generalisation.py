@@ -14,7 +14,7 @@ on held-out prompts, at all load points, on the categories the run did not train
 model with its normalisation; the exported controller's range guard is not involved).
 
 Usage: python benchmarks/generalisation.py --run RUN [--reference RUN] [--categories a,b]
-       [--loads closed:1,2,4,8,16] [--seeds 3] [--out DIR]
+       [--loads closed:1,2,4,8,16] [--seeds 3] [--horizon 120] [--out DIR]
 Final line: {"run": r, "unseen_loads": [...], "categories": [...], "learned_over_best": x,
              "reference_over_best": y, "by_load": {load: {"learned": a, "reference": b, "best": c}}}
 """
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--categories", default=None, help="comma list (default: the ones --run did not train on)")
     ap.add_argument("--loads", nargs="+", default=["closed:1,2,4,8,16"])
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--horizon", type=float, default=EVAL_HORIZON_S, help="simulated seconds per episode")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -65,7 +66,7 @@ def main() -> None:
     trained = {str(c) for c in conc} if cfg.workload.arrival == "closed" else set()
     unseen = [ld.label for ld in loads if ld.label.split(":")[1] not in trained]
     # held-out prompts of the chosen categories; the full load sweep is given explicitly
-    ev = replace(cfg, categories=cats, prompt_split="test", horizon_s=EVAL_HORIZON_S)  # evaluate() runs standard episodes
+    ev = replace(cfg, categories=cats, prompt_split="test", horizon_s=args.horizon)  # evaluate() runs standard episodes
     learned = learned_policy(run, cfg, agent)
     extra = {"learned": lambda: _fresh(learned)}
     if args.reference:

@@ -15,7 +15,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def ensure_traces(cfg: Any, batch_size: int = 8, output: str | None = None, progress: bool = True) -> Path:
-    """Record traces for every prompt of ``cfg``'s source (both splits) unless they exist."""
+    """Record traces for every prompt of ``cfg``'s source (both splits, every category) unless they
+    exist: the trace file is named by the source alone, so an env that keeps a few ``categories``
+    must not leave a file that lacks the others' prompts for the next env."""
     from specrl.envs.live import shared_pair
     from specrl.envs.replay import default_trace_path
     from specrl.prompts import load_prompts
@@ -26,7 +28,7 @@ def ensure_traces(cfg: Any, batch_size: int = 8, output: str | None = None, prog
     if out.with_suffix(".json").exists():
         return out
     pair = shared_pair(cfg)
-    prompts = load_prompts(cfg.prompts, cfg.categories)
+    prompts = load_prompts(cfg.prompts)
     n = max(int(x) for x in _as_list(cfg.workload.max_new_tokens))
     collect_traces(pair, prompts, cfg.drafter, max_new_tokens=n, batch_size=batch_size,
                    temperature=cfg.temperature, progress=progress, out=out)
