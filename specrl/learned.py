@@ -28,7 +28,7 @@ class SB3Policy(BasePolicy):
 
     def reset(self) -> None:
         self._stack: list[np.ndarray] = []
-        if getattr(self, "defer", None) is not None:
+        if self.defer is not None:
             self.defer.reset()
 
     def observe(self, features: np.ndarray, info: dict[str, Any]) -> None:

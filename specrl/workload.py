@@ -64,8 +64,8 @@ class WorkloadConfig:
     """closed / poisson / bursty: each episode draws its prompts from this many of the pool's
     categories, chosen at random per episode (0 = all; a list draws the number per episode). For
     training: episodes whose acceptance differs make a policy read acceptance from the features
-    instead of memorising the average category mix (README: generalisation). Training's own
-    evaluations use all categories."""
+    instead of memorising the average category mix (README: generalisation). Every evaluation
+    (``specrl.evaluate``) runs standard episodes, all categories in each."""
     max_batch_size: int = 16
     """At most this many requests decode together; the rest wait in a FIFO queue."""
     max_new_tokens: int | list[int] = 128
