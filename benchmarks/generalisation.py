@@ -28,17 +28,10 @@ from pathlib import Path
 
 import _common  # noqa: F401  (offline env vars, repo on sys.path)
 
-from specrl.config import from_dict
-from specrl.envs.config import EnvConfig
 from specrl.evaluate import EVAL_HORIZON_S, evaluate, parse_loads
 from specrl.policies import BASELINES
 from specrl.prompts import load_prompts
-from specrl.train import AgentConfig, _fresh, learned_policy
-
-
-def load_run(run: Path) -> tuple[EnvConfig, AgentConfig]:
-    saved = json.loads((run / "config.json").read_text())
-    return from_dict(EnvConfig, saved["env"]), from_dict(AgentConfig, saved["agent"])
+from specrl.train import _fresh, learned_policy, load_run_config
 
 
 def main() -> None:
@@ -53,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
 
     run = Path(args.run)
-    cfg, agent = load_run(run)
+    cfg, agent, _ = load_run_config(run)
     every = sorted({p.category for p in load_prompts(cfg.prompts)})
     if args.categories:
         cats = args.categories.split(",")
@@ -70,7 +63,7 @@ def main() -> None:
     learned = learned_policy(run, cfg, agent)
     extra = {"learned": lambda: _fresh(learned)}
     if args.reference:
-        ref_cfg, ref_agent = load_run(Path(args.reference))
+        ref_cfg, ref_agent, _ = load_run_config(Path(args.reference))
         reference = learned_policy(Path(args.reference), ref_cfg, ref_agent, name="reference")
         extra["reference"] = lambda: _fresh(reference)
     print(f"run {run}: trained on concurrency {sorted(trained, key=int)} and categories {cfg.categories or 'all'}; "

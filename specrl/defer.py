@@ -63,6 +63,7 @@ def make_vec_defer(venv: Any, rule: str, ctx: Any) -> Any:
             self.rules = make_rules(rule, ctx, venv.num_envs)
             self._obs: np.ndarray | None = None  # (N, F) raw features the next actions decide on
             self._deferred = np.zeros(venv.num_envs, bool)
+            self.actions = np.zeros((venv.num_envs, 2), np.int64)  # (N, 2) the last step's action indices, resolved
 
         def reset(self) -> np.ndarray:
             for r in self.rules:
@@ -75,6 +76,7 @@ def make_vec_defer(venv: Any, rule: str, ctx: Any) -> Any:
             self._deferred = a[:, 0] == self.defer_index
             for i in np.flatnonzero(self._deferred):
                 a[i] = self.table.index(*self.rules[i].decide(self._obs[i]))
+            self.actions = a
             self.venv.step_async(a)
 
         def step_wait(self) -> Any:

@@ -307,10 +307,10 @@ def evaluate(cfg: Any, policies: list[str], loads: list[Load], seeds: list[int],
     ``extra`` adds policies built by factories (e.g. a learned model) under their names."""
     from tqdm import tqdm
 
-    from specrl.envs.config import load_cost_model
-    from specrl.policies import PolicyContext, make_policy
+    from specrl.envs.config import policy_context
+    from specrl.policies import make_policy
 
-    ctx = PolicyContext(cfg.k_choices, cfg.w_choices, load_cost_model(cfg), cfg.drafter)
+    ctx = policy_context(cfg)
     episodes: list[Episode] = []
     t0 = time.perf_counter()
     for spec in tqdm(policies, desc="evaluating" + (" live" if live else " replay"), disable=not progress):

@@ -31,36 +31,31 @@ class Demonstrations:
 
 
 def collect(env_cfg: Any, rule: str, n_envs: int, steps: int, seed: int) -> Demonstrations:
-    """Roll ``rule`` out on the vectorised replay env for ``steps`` env steps in total."""
-    from specrl.envs.config import load_cost_model
+    """Roll ``rule`` out on the vectorised replay env for ``steps`` env steps in total: every step
+    handed to it through the ``specrl.defer`` wrapper, the one place that drives a rule per env
+    (decide on the raw features, observe every step, reset at episode ends)."""
+    from specrl.defer import make_vec_defer
+    from specrl.envs.config import policy_context
     from specrl.envs.vector import SpecReplayVecEnv
-    from specrl.policies import ActionTable, PolicyContext, make_policy
 
     if rule == "oracle":
         raise ConfigError(f"pretrain: {rule!r} cannot be cloned: it decides from the replay's future outcomes, not "
                           "the features. Allowed: a rule that decides from the features (goodput, sglang-ema, "
                           "hf-heuristic, static:K,W, controller:DIR, ...).")
-    ctx = PolicyContext(env_cfg.k_choices, env_cfg.w_choices, load_cost_model(env_cfg), env_cfg.drafter)
-    table = ActionTable(env_cfg.k_choices, env_cfg.w_choices)
-    pols = [make_policy(rule, ctx) for _ in range(n_envs)]
-    vec = SpecReplayVecEnv(env_cfg, n_envs)
+    vec = make_vec_defer(SpecReplayVecEnv(env_cfg, n_envs), rule, policy_context(env_cfg))
     vec.seed(seed)
     obs = vec.reset()  # (N, F)
+    defer = np.tile([vec.defer_index, 0], (n_envs, 1))  # (N, 2): every step to the rule
     rounds = max(1, steps // n_envs)
     all_obs = np.empty((rounds, n_envs, obs.shape[1]), np.float32)
     all_act = np.empty((rounds, n_envs, 2), np.int64)
     tokens = secs = 0.0
     for t in range(rounds):
-        act = np.array([table.index(*p.decide(o)) for p, o in zip(pols, obs)], np.int64)  # (N, 2)
-        all_obs[t], all_act[t] = obs, act
-        obs, _, done, infos = vec.step(act)
-        for i, (p, info) in enumerate(zip(pols, infos)):
-            tokens += float(info.get("tokens", 0.0))
-            secs += float(info.get("dt", 0.0))
-            if done[i]:
-                p.reset()
-            else:
-                p.observe(obs[i], info)
+        all_obs[t] = obs
+        obs, _, _, infos = vec.step(defer)
+        all_act[t] = vec.actions  # (N, 2) the rule's action indices
+        tokens += sum(float(info.get("tokens", 0.0)) for info in infos)
+        secs += sum(float(info.get("dt", 0.0)) for info in infos)
     vec.close()
     return Demonstrations(all_obs.reshape(-1, obs.shape[1]), all_act.reshape(-1, 2), tokens / max(secs, 1e-9))
 

@@ -106,6 +106,18 @@ class AgentConfig:
             check_rule(self.defer)
 
 
+def load_run_config(run_dir: Path) -> tuple[Any, AgentConfig, dict[str, Any]]:
+    """(env config, agent config, the whole saved config.json) of a ``specrl train`` run directory."""
+    from specrl.envs.config import EnvConfig
+
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{str(run_dir)!r} is not a specrl run directory (no config.json). "
+                          "Fix: pass the run directory printed by `specrl train`.")
+    saved = json.loads(path.read_text())
+    return from_dict(EnvConfig, saved["env"]), from_dict(AgentConfig, saved["agent"]), saved
+
+
 def load_agent_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> AgentConfig:
     data = load_yaml(path) if path else {}
     return from_dict(AgentConfig, apply_overrides(data, overrides or {}))
@@ -136,6 +148,7 @@ def make_vec_env(env_cfg: Any, agent: AgentConfig, seed: int, stats: dict[str, n
     vec.seed(seed)
     if agent.defer:  # innermost: the rule decides on raw features
         from specrl.defer import make_vec_defer
+        from specrl.envs.config import policy_context
 
         vec = make_vec_defer(vec, agent.defer, policy_context(env_cfg))
     if agent.algo == "dqn":
@@ -205,16 +218,9 @@ def load_stats(path: Path) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, np.float64) for k, v in d.items()}
 
 
-def policy_context(env_cfg: Any) -> Any:
-    """The PolicyContext of ``env_cfg``: action tables, cost model, drafter."""
-    from specrl.envs.config import load_cost_model
-    from specrl.policies import PolicyContext
-
-    return PolicyContext(env_cfg.k_choices, env_cfg.w_choices, load_cost_model(env_cfg), env_cfg.drafter)
-
-
 def learned_policy(run_dir: Path, env_cfg: Any, agent: AgentConfig, model: Any = None, name: str = "learned") -> Any:
     """The run's policy as a specrl policy (deterministic actions)."""
+    from specrl.envs.config import policy_context
     from specrl.learned import SB3Policy
     from specrl.policies import make_policy
 
@@ -456,12 +462,10 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
           run_dir: Path | None = None, resume: Path | None = None, progress: bool = True,
           final_eval: bool = True) -> dict[str, Any]:
     """Train (or resume) a run; returns a summary with the run directory and evaluation."""
-    from specrl.envs.config import EnvConfig, load_env_config
+    from specrl.envs.config import load_env_config
 
     if resume is not None:
-        saved = json.loads((resume / "config.json").read_text())
-        env_cfg = from_dict(EnvConfig, saved["env"])
-        agent = from_dict(AgentConfig, saved["agent"])
+        env_cfg, agent, saved = load_run_config(resume)
         seed, run_dir = saved["seed"], resume
         name = saved["name"]
     else:

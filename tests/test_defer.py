@@ -29,13 +29,13 @@ def defer_run(tiny_replay_env, tmp_path_factory):
 @pytest.mark.parametrize("rule", ["goodput", "sglang-ema"])
 def test_always_defer_replays_the_rule_exactly(rule, tiny_replay_env):
     """Every step handed to a rule through the wrapper is the same rollout as the rule itself
-    (the rule's state is reset at episode ends and observes every step, as in pretrain.collect;
+    (the rule's state is reset at episode ends and observes every step, as the reference loop below;
     sglang-ema keeps state across steps, so a missed reset shows)."""
     from specrl.defer import make_vec_defer
-    from specrl.envs.config import load_env_config
+    from specrl.envs.config import load_env_config, policy_context
     from specrl.envs.vector import SpecReplayVecEnv
     from specrl.policies import ActionTable, make_policy
-    from specrl.train import policy_context, prepare
+    from specrl.train import prepare
 
     cfg = load_env_config(tiny_replay_env)
     prepare(cfg, progress=False)

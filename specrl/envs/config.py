@@ -152,6 +152,13 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
                 holder[key] = str(candidate)
 
 
+def policy_context(cfg: EnvConfig) -> Any:
+    """What a policy acting in this env may know: its action tables, cost model and drafter."""
+    from specrl.policies import PolicyContext
+
+    return PolicyContext(cfg.k_choices, cfg.w_choices, load_cost_model(cfg), cfg.drafter)
+
+
 def load_cost_model(cfg: EnvConfig) -> Any:
     """The cost model a replay env (or a profiled live env) charges: without loading models."""
     from specrl.costs import CostModel, cost_path

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from specrl.defer import NOT_DEFERRABLE
 from specrl.errors import ArtifactError
 from specrl.features import FIELDS, NUM_FEATURES, SCHEMA_VERSION
 
@@ -218,7 +219,8 @@ def _check_meta(meta: Any, where: Path) -> None:
                      f"{where}: normalization statistics hold NaN, inf or negative variances.")
     else:
         _require(isinstance(meta.get("rule"), str), f"{where}: a rule artifact needs a 'rule' name.")
-    _require(act.get("defer") is None or (isinstance(act["defer"], str) and act["defer"].split(":")[0] != "oracle"),
+    _require(act.get("defer") is None or (isinstance(act["defer"], str)
+                                          and act["defer"].partition(":")[0] not in NOT_DEFERRABLE),
              f"{where}: actions.defer must be the name of a rule that decides from the features, got "
              f"{act.get('defer')!r}.")
 

@@ -62,17 +62,10 @@ def write_artifact(out: Path, meta: dict[str, Any], tensors: dict[str, np.ndarra
 
 def export_run(run_dir: Path, out: Path, fallback: str | None = None, margin: float = 0.25) -> Path:
     """Export a ``specrl train`` run directory (its final model and statistics)."""
-    from specrl.config import from_dict
-    from specrl.envs.config import EnvConfig, load_cost_model
-    from specrl.train import AgentConfig, FlatActions, load_model, load_stats
+    from specrl.envs.config import load_cost_model
+    from specrl.train import FlatActions, load_model, load_run_config, load_stats
 
-    cfg_path = run_dir / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"{str(run_dir)!r} is not a specrl run directory (no config.json). "
-                          "Fix: pass the run directory printed by `specrl train`.")
-    saved = json.loads(cfg_path.read_text())
-    env_cfg = from_dict(EnvConfig, saved["env"])
-    agent = from_dict(AgentConfig, saved["agent"])
+    env_cfg, agent, saved = load_run_config(run_dir)
     model = load_model(run_dir, agent)
     layers, (hw, hb) = extract_mlp(model)
     tensors: dict[str, np.ndarray] = {}
