@@ -23,6 +23,9 @@ from specrl.errors import ConfigError, unknown_name
 from specrl.evaluate import EVAL_HORIZON_S
 
 ALGOS = ("ppo", "a2c", "dqn")
+SCHEDULED = ("learning_rate", "clip_range")
+"""Hyperparameters that may be a linear schedule, written ``lin_<start>`` as in rl-zoo: the value
+falls linearly from ``start`` at the first step to 0 at ``total_timesteps``."""
 KEEP = ("last", "best")
 VALIDATION_SEED0 = 1000
 """Arrival seeds of the periodic evaluations start here: they run on the *training* prompts, in
@@ -104,6 +107,44 @@ class AgentConfig:
                 raise ConfigError(f"defer={self.defer!r} extends the k head of a MultiDiscrete policy; algo 'dqn' acts "
                                   "on a flattened table. Fix: use algo ppo or a2c, or set defer: null.")
             check_rule(self.defer)
+        for key in SCHEDULED:
+            if isinstance(self.hyperparams.get(key), str):
+                LinearSchedule.parse(key, self.hyperparams[key])
+
+
+@dataclass(frozen=True)
+class LinearSchedule:
+    """An SB3 schedule that falls linearly from ``start`` to 0 over the run.
+
+    Annealing the step size is rl-zoo's usual PPO recipe: a constant rate keeps the policy
+    moving where the advantage signal is weak (concurrency 8 here), so the last weights wander.
+    A module-level class rather than a lambda, so a saved model reloads it by name.
+    """
+
+    start: float
+
+    def __call__(self, progress_remaining: float) -> float:  # SB3 passes 1 at the start, 0 at the end
+        return progress_remaining * self.start
+
+    @classmethod
+    def parse(cls, key: str, text: str) -> "LinearSchedule":
+        try:
+            start = float(text[len("lin_"):]) if text.startswith("lin_") else float("nan")
+        except ValueError:
+            start = float("nan")
+        if not start > 0:
+            raise ConfigError(f"hyperparams.{key}={text!r} is not a schedule. Allowed: a number, or 'lin_<start>' "
+                              f"with start > 0 (falls linearly to 0 over the run). Fix: e.g. {key}: lin_0.0003.")
+        return cls(start)
+
+
+def resolve_hyperparams(hyperparams: dict[str, Any]) -> dict[str, Any]:
+    """The SB3 keyword arguments: ``lin_<start>`` strings become :class:`LinearSchedule` objects."""
+    kw = dict(hyperparams)
+    for key in SCHEDULED:
+        if isinstance(kw.get(key), str):
+            kw[key] = LinearSchedule.parse(key, kw[key])
+    return kw
 
 
 def load_run_config(run_dir: Path) -> tuple[Any, AgentConfig, dict[str, Any]]:
@@ -189,7 +230,7 @@ def build_model(agent: AgentConfig, vec: Any, seed: int, run_dir: Path) -> Any:
     from stable_baselines3 import A2C, DQN, PPO
 
     cls = {"ppo": PPO, "a2c": A2C, "dqn": DQN}[agent.algo]
-    kw = dict(agent.hyperparams)
+    kw = resolve_hyperparams(agent.hyperparams)
     kw.setdefault("policy_kwargs", {})["net_arch"] = list(agent.net_arch)
     return cls("MlpPolicy", vec, seed=seed, device="cpu", verbose=0, **kw)
 
@@ -239,7 +280,11 @@ def load_model(run_dir: Path, agent: AgentConfig, path: Path | None = None) -> A
     from stable_baselines3 import A2C, DQN, PPO
 
     cls = {"ppo": PPO, "a2c": A2C, "dqn": DQN}[agent.algo]
-    return cls.load(str(path or run_dir / "model.zip"), device="cpu")
+    # Schedules come from the config, not from the zip's pickled copy (resume keeps annealing).
+    sched = {k: v for k, v in resolve_hyperparams(agent.hyperparams).items() if isinstance(v, LinearSchedule)}
+    if "learning_rate" in sched:
+        sched["lr_schedule"] = sched["learning_rate"]
+    return cls.load(str(path or run_dir / "model.zip"), device="cpu", custom_objects=sched or None)
 
 
 # ----- callbacks -------------------------------------------------------------------------------

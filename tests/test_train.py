@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from specrl.errors import ConfigError
+from specrl.features import NUM_FEATURES
 from specrl.train import load_agent_config, train
 
 TINY = ["agent.total_timesteps=256", "agent.n_envs=4", "agent.eval_every=0", "agent.keep=last", "agent.checkpoint_every=128",
@@ -88,6 +89,32 @@ def test_resume_continues_with_the_same_config(tiny_env, tmp_path):
     assert json.loads((ck / "config.json").read_text()) == cfg1
 
 
+def test_linear_schedules_anneal_and_survive_resume(tiny_env, tmp_path):
+    from specrl.train import load_model
+
+    over = TINY + SMALL_BATCH["ppo"] + ["agent.hyperparams.learning_rate=lin_0.001", "agent.hyperparams.clip_range=lin_0.2"]
+    train(tiny_env, "agents/ppo.yaml", over, seed=4, run_dir=tmp_path / "s", progress=False, final_eval=False)
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["agent"]["hyperparams"]["learning_rate"] == "lin_0.001"  # the config keeps the text, not a pickle
+    agent = load_agent_config(None, cfg["agent"])
+    model = load_model(tmp_path / "s", agent)
+    # SB3 passes progress_remaining: 1 at the first step, 0 at the last
+    assert model.lr_schedule(1.0) == pytest.approx(1e-3) and model.lr_schedule(0.25) == pytest.approx(2.5e-4)
+    assert model.clip_range(0.5) == pytest.approx(0.1)
+    # the optimiser's rate at the end of the run is the annealed one, not the start value
+    assert model.policy.optimizer.param_groups[0]["lr"] < 1e-3
+    cfg["agent"]["total_timesteps"] = 512
+    (tmp_path / "s" / "config.json").write_text(json.dumps(cfg))
+    second = train(None, None, [], resume=tmp_path / "s", progress=False, final_eval=False)
+    assert second["steps"] >= 512
+
+
+@pytest.mark.parametrize("text", ["lin_0", "lin_fast", "cos_0.0003", "0.0003x"])
+def test_bad_schedules_are_refused_by_name(text):
+    with pytest.raises(ConfigError, match=rf"hyperparams.learning_rate='{text}'.*lin_0.0003"):
+        load_agent_config(None, {"hyperparams.learning_rate": text})
+
+
 def test_track_writes_an_offline_wandb_run(tiny_env, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -152,7 +179,7 @@ def test_pretrain_clones_the_rule_before_rl(tiny_env, tmp_path):
     cfg = load_env_config(tiny_env)
     prepare(cfg, progress=False)  # records the tiny traces on first use
     demos = collect(cfg, "static:2,2", n_envs=4, steps=400, seed=0)
-    assert demos.obs.shape == (400, 20) and demos.goodput > 0
+    assert demos.obs.shape == (400, NUM_FEATURES) and demos.goodput > 0
     want = (cfg.k_choices.index(2), cfg.w_choices.index(2))
     assert (demos.actions == want).all()
     agent = load_agent_config("agents/ppo.yaml", {"n_envs": 4})
