@@ -1,10 +1,10 @@
-"""The observation schema (version 1) shared by the envs, the baselines and the runtime.
+"""The observation schema (version 2) shared by the envs, the baselines and the runtime.
 
 numpy only: the runtime controller imports this module in serving processes that have no
 torch. ``FeatureTracker`` is fed what happened (load, step statistics) and returns the
 observation vector the policy sees *before* the next draft round.
 
-Fields of schema version 1 (float32, in this order):
+Fields of schema version 2 (float32, in this order):
 
 Load
   batch_size       running requests that the next step will decode
@@ -25,6 +25,12 @@ Acceptance (from the previous steps)
   num_matches      mean log(1 + earlier matches) of the current contexts (n-gram drafter)
 Previous action
   prev_k, prev_w   the action of the previous step (0, 1 before the first step)
+  since_draft      consecutive previous steps that drafted nothing (k = 0), capped at
+                   ``SINCE_DRAFT_CAP``; 0 before the first step and after a drafting step.
+                   Acceptance is measured only while drafting, so rules re-measure it
+                   periodically (``goodput`` probes after 16 steps without a draft); as a
+                   feature the probe is a function of the observation, which a policy can
+                   learn and clone (schema v1 kept the count inside the rule)
 
 Bump ``SCHEMA_VERSION`` whenever a field is added, removed, reordered or redefined: artifacts
 record it and refuse to run on another version.
@@ -37,12 +43,13 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SINCE_DRAFT_CAP = 64
 ACCEPT_DEPTHS = 8
 LOAD_FIELDS = ("batch_size", "queue_len", "arrival_rate", "mean_context", "max_context")
 ACCEPT_FIELDS = tuple(f"accept_d{d}" for d in range(1, ACCEPT_DEPTHS + 1))
 DRAFT_FIELDS = ("last_accept_len", "draft_top1", "draft_entropy", "match_len", "num_matches")
-ACTION_FIELDS = ("prev_k", "prev_w")
+ACTION_FIELDS = ("prev_k", "prev_w", "since_draft")
 FIELDS: tuple[str, ...] = LOAD_FIELDS + ACCEPT_FIELDS + DRAFT_FIELDS + ACTION_FIELDS
 NUM_FEATURES = len(FIELDS)
 INDEX = {name: i for i, name in enumerate(FIELDS)}
@@ -105,6 +112,8 @@ def update_step_batch(
     update_draft_batch(vec, valid, stats)
     vec[:, INDEX["prev_k"]] = k
     vec[:, INDEX["prev_w"]] = w
+    since = vec[:, INDEX["since_draft"]]
+    vec[:, INDEX["since_draft"]] = np.where(np.asarray(k) > 0, 0.0, np.minimum(since + 1.0, SINCE_DRAFT_CAP))
 
 
 DRAFT_COLS = [INDEX["draft_top1"], INDEX["draft_entropy"], INDEX["match_len"], INDEX["num_matches"]]
@@ -123,7 +132,7 @@ def update_draft_batch(vec: np.ndarray, valid: np.ndarray, stats: np.ndarray) ->
 
 @dataclass
 class FeatureTracker:
-    """Turns raw serving statistics into schema-v1 observations (one env / serving engine).
+    """Turns raw serving statistics into schema-v2 observations (one env / serving engine).
 
     Feed it with ``update_load`` (before each decision) and ``update_step`` (after each step,
     or ``observe(step_result)`` with a specrl StepResult). Cheap: a few numpy ops per step. The

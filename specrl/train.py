@@ -127,7 +127,7 @@ class LinearSchedule:
         return progress_remaining * self.start
 
     @classmethod
-    def parse(cls, key: str, text: str) -> "LinearSchedule":
+    def parse(cls, key: str, text: str) -> LinearSchedule:
         try:
             start = float(text[len("lin_"):]) if text.startswith("lin_") else float("nan")
         except ValueError:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from specrl.errors import ArtifactError, ConfigError
+from specrl.features import NUM_FEATURES
 from specrl.train import load_agent_config, train
 
 TINY = ["agent.total_timesteps=512", "agent.n_envs=4", "agent.eval_every=0", "agent.keep=last",
@@ -162,7 +163,7 @@ def test_label_smoothing_keeps_the_clone_exploring(tiny_replay_env, tmp_path):
     prepare(cfg, progress=False)
     agent = load_agent_config("agents/ppo-defer.yaml", {"n_envs": 16})
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(512, 20)).astype(np.float32)
+    x = rng.normal(size=(512, NUM_FEATURES)).astype(np.float32)
     y = np.tile([len(cfg.k_choices), 1], (512, 1))
     p_label = {}
     for eps in (0.0, 0.1):

@@ -149,9 +149,39 @@ def test_oracle_picks_best_step_goodput_and_needs_outcomes():
 
 
 def test_goodput_scales_by_match_coverage_and_probes_out_of_k0():
+    from specrl.features import FeatureTracker
+
     p = make_policy("goodput", CTX)
-    f = feats(batch_size=1, mean_context=200, draft_top1=0.0, **{f"accept_d{d}": 0.9 for d in range(1, 9)})
-    picks = [p.decide(f) for _ in range(10)]  # no request has a match: drafting is pointless...
-    assert picks[:8] == [(0, 1)] * 8
-    assert picks[8][0] > 0  # ...but after 8 steps at k = 0 it drafts once to refresh its estimates
-    assert picks[9] == (0, 1)
+    tr = FeatureTracker()
+    picks = []
+    for _ in range(34):  # no request has a match: drafting is pointless...
+        f = tr.vector()
+        f[[INDEX["batch_size"], INDEX["mean_context"], INDEX["draft_top1"]]] = (1, 200, 0.0)
+        f[INDEX["accept_d1"] : INDEX["accept_d1"] + 8] = 0.9
+        k, w = p.decide(f)
+        picks.append(k)
+        tr.update_step(np.array([0]), np.array([k]), k, w)
+    # ...but after 16 steps at k = 0 (the feature since_draft) it drafts once to refresh its estimates
+    assert [i for i, k in enumerate(picks) if k > 0] == [16, 33]
+    # the rule keeps no state: the same features give the same decision, whatever came before
+    f = feats(batch_size=1, mean_context=200, draft_top1=0.0, since_draft=16, **{f"accept_d{d}": 0.9 for d in range(1, 9)})
+    assert p.decide(f)[0] > 0 and p.decide(f)[0] > 0
+    assert p.decide(feats(batch_size=1, mean_context=200, draft_top1=0.0, since_draft=15))[0] == 0
+    with pytest.raises(ConfigError, match="probe_every=65 is outside 1..64"):
+        from specrl.policies.goodput import GoodputArgmax
+        GoodputArgmax(CTX, probe_every=65)
+
+
+def test_since_draft_counts_steps_without_a_draft_and_saturates():
+    from specrl.features import SINCE_DRAFT_CAP, FeatureTracker
+
+    tr = FeatureTracker()
+    assert tr.vector()[INDEX["since_draft"]] == 0
+    for i in range(1, 4):
+        tr.update_step(np.array([0, 0]), np.array([0, 0]), 0, 1)
+        assert tr.vector()[INDEX["since_draft"]] == i
+    tr.update_step(np.array([1, 0]), np.array([2, 2]), 2, 1)
+    assert tr.vector()[INDEX["since_draft"]] == 0
+    for _ in range(SINCE_DRAFT_CAP + 10):
+        tr.update_step(np.array([0]), np.array([0]), 0, 1)
+    assert tr.vector()[INDEX["since_draft"]] == SINCE_DRAFT_CAP

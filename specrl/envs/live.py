@@ -67,7 +67,7 @@ class SpecDecodeEnv(SpecEnvBase):
     w = 1 is a chain; (k, w) is the rank-path tree of depth k with k * w draft nodes.
 
     ## Observation Space
-    ``Box(0, 1e6, (22,), float32)``: feature schema version 1 (``specrl.features``): load
+    ``Box(0, 1e6, (21,), float32)``: feature schema version 2 (``specrl.features``): load
     (batch size, queue length, arrival-rate estimate, mean / max context), EMA acceptance rate
     per draft depth 1..8, last mean accept length, draft confidence (top-1 probability, entropy;
     n-gram match length and count), previous action. Computed before the step's draft round.

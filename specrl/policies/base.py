@@ -1,6 +1,6 @@
 """The policy interface shared by baselines, the oracle and exported controllers.
 
-A policy maps the schema-v1 feature vector (``specrl.features``) to an action ``(k, w)``
+A policy maps the schema-v2 feature vector (``specrl.features``) to an action ``(k, w)``
 once per step, before the draft round; stateful rules also ``observe`` what the step did.
 Actions are snapped to the env's tables by ``ActionTable``.
 """

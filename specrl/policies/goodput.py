@@ -13,9 +13,15 @@ scaled so that sum_r q(d, r) <= 1.
 
 Two details keep the rule honest with the n-gram drafter: (1) the acceptance EMAs only count
 requests that had a draft, so expected tokens are scaled by the fraction of requests whose
-context has a match now (``draft_top1``); (2) after ``probe_every`` steps of k = 0 it drafts
-once with the cheapest speculative action, because acceptance is only measured while drafting
-and a stale low estimate would otherwise keep it at k = 0 forever.
+context has a match now (``draft_top1``); (2) after ``probe_every`` steps of k = 0 (the
+feature ``since_draft``) it drafts once with the cheapest speculative action, because acceptance
+is only measured while drafting and a stale low estimate would otherwise keep it at k = 0 forever.
+
+The rule keeps no state: everything it reads is in the features, so a behaviour clone can
+reproduce it and the exported controller runs it from the same vector. ``probe_every = 16`` was
+chosen on validation episodes (training prompts, arrival seeds 1000-1002, 120 s, concurrency
+1-16; geometric mean of goodput 64.01 / 64.04 / 64.10 / 64.00 / 63.87 tokens/s at 8 / 12 / 16 /
+24 / 32; the held-out prompts were not used to choose it).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import numpy as np
 
 from specrl.costs import MAX_LEVELS
 from specrl.errors import ConfigError
-from specrl.features import ACCEPT_DEPTHS, INDEX
+from specrl.features import ACCEPT_DEPTHS, INDEX, SINCE_DRAFT_CAP
 from specrl.policies.base import BasePolicy, PolicyContext
 from specrl.tree import RANK_PRIOR, TreeShape, tree_shape
 
@@ -78,15 +84,17 @@ def expected_accepted(k: int, w: int, alpha: np.ndarray) -> float:
 class GoodputArgmax(BasePolicy):
     name = "goodput"
 
-    def __init__(self, ctx: PolicyContext, probe_every: int = 8) -> None:
+    def __init__(self, ctx: PolicyContext, probe_every: int = 16) -> None:
         super().__init__(ctx)
+        if not 1 <= probe_every <= SINCE_DRAFT_CAP:
+            raise ConfigError(f"probe_every={probe_every} is outside 1..{SINCE_DRAFT_CAP} (the feature since_draft "
+                              f"saturates at {SINCE_DRAFT_CAP}). Fix: e.g. probe_every=16.")
         if ctx.cost_model is None:
             raise ConfigError("The 'goodput' policy needs a cost model (specrl profile). Fix: pass one in the "
                               "PolicyContext, or evaluate on an env that has one.")
         self.actions = self.table.all()
         self.probe_every = probe_every
         self._precompute()
-        self.reset()
 
     def _precompute(self) -> None:
         """Per-action tree data for a vectorised ``scores`` (the rule runs every step of every
@@ -99,9 +107,6 @@ class GoodputArgmax(BasePolicy):
                 self._levels[j, : shape.max_depth] = shape.level_sizes
         self._tokens = np.array([1.0 if sh is None else sh.num_nodes + 1.0 for sh in shapes])
         self._drafted = np.array([k > 0 for k, _ in self.actions])
-
-    def reset(self) -> None:
-        self.zeros = 0
 
     def scores(self, features: np.ndarray) -> np.ndarray:
         """(A,) expected goodput (tokens/s) of every action of the table."""
@@ -118,7 +123,6 @@ class GoodputArgmax(BasePolicy):
 
     def decide(self, features: np.ndarray) -> tuple[int, int]:
         k, w = self.actions[int(np.argmax(self.scores(features)))]
-        if k == 0 and self.zeros >= self.probe_every:
+        if k == 0 and features[INDEX["since_draft"]] >= self.probe_every:
             k, w = min((a for a in self.actions if a[0] > 0), key=lambda a: a[0] * a[1], default=(0, 1))
-        self.zeros = self.zeros + 1 if k == 0 else 0
         return k, w

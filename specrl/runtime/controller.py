@@ -47,7 +47,7 @@ def _require(cond: bool, msg: str) -> None:
 
 
 class Controller:
-    """Deterministic (k, w) decisions from schema-v1 features; numpy only."""
+    """Deterministic (k, w) decisions from schema-v2 features; numpy only."""
 
     def __init__(self, meta: dict[str, Any], weights: dict[str, np.ndarray] | None, path: str = "") -> None:
         self.meta = meta
