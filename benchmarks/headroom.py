@@ -206,7 +206,7 @@ def run_ragged(cfg, loads, seeds: list[int], decide) -> dict[str, float]:
     out: dict[str, float] = {}
     n_w = len(cfg.w_choices)
     for ld in loads:
-        vec = RaggedVec(replace(cfg, workload=replace(cfg.workload, arrival=ld.arrival)), len(seeds))
+        vec = RaggedVec(episode_env_config(cfg, ld), len(seeds))  # standard episodes: every category
         vec.set_levels([ld.level() for _ in seeds])
         vec.seed_each(seeds)
         obs = vec.reset()

@@ -90,3 +90,28 @@ def test_ragged_env_and_row_choice_on_tiny_traces(tiny_traces, tiny_pair_dirs, i
             env.step_async(np.stack([a // n_w, a % n_w], 1))
             env.step_wait()
     assert checked > 20
+
+
+def test_ragged_world_runs_standard_episodes(tiny_traces, tiny_pair_dirs, isolated_cache):
+    """The what-if world evaluates like `specrl evaluate`: every category in every episode, whatever
+    the preset's training-only ``workload.episode_categories`` says (it once leaked into this table)."""
+    from dataclasses import replace
+
+    from test_replay import _write, replay_cfg
+
+    from specrl.envs.config import load_env_config
+    from specrl.evaluate import parse_loads
+
+    _, prompts, tr = tiny_traces
+    assert len({p.category for p in prompts}) > 1
+    cfg = load_env_config(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], prompts=_write(prompts, isolated_cache),
+                                     horizon_s=3.0, workload={"arrival": "closed", "concurrency": [2],
+                                                              "max_new_tokens": 40}))
+    loads = parse_loads(["closed:2"])
+
+    def k1(vec, obs):  # (1, 1) for every env: acceptance differs between category mixes
+        return np.full(vec.num_envs, [tuple(a) for a in vec.actions_kw.tolist()].index((1, 1)))
+
+    std = headroom.run_ragged(cfg, loads, [0, 1, 2], k1)
+    one = headroom.run_ragged(replace(cfg, workload=replace(cfg.workload, episode_categories=1)), loads, [0, 1, 2], k1)
+    assert std == one
