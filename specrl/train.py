@@ -107,9 +107,7 @@ class AgentConfig:
                 raise ConfigError(f"defer={self.defer!r} extends the k head of a MultiDiscrete policy; algo 'dqn' acts "
                                   "on a flattened table. Fix: use algo ppo or a2c, or set defer: null.")
             check_rule(self.defer)
-        for key in SCHEDULED:
-            if isinstance(self.hyperparams.get(key), str):
-                LinearSchedule.parse(key, self.hyperparams[key])
+        resolve_hyperparams(self.hyperparams)  # refuses a malformed schedule string now, not at build time
 
 
 @dataclass(frozen=True)
@@ -280,10 +278,9 @@ def load_model(run_dir: Path, agent: AgentConfig, path: Path | None = None) -> A
     from stable_baselines3 import A2C, DQN, PPO
 
     cls = {"ppo": PPO, "a2c": A2C, "dqn": DQN}[agent.algo]
-    # Schedules come from the config, not from the zip's pickled copy (resume keeps annealing).
+    # Schedules come from the config, not from the zip's pickled copy (resume keeps annealing);
+    # SB3's load rebuilds lr_schedule and the clip schedule from these.
     sched = {k: v for k, v in resolve_hyperparams(agent.hyperparams).items() if isinstance(v, LinearSchedule)}
-    if "learning_rate" in sched:
-        sched["lr_schedule"] = sched["learning_rate"]
     return cls.load(str(path or run_dir / "model.zip"), device="cpu", custom_objects=sched or None)
 
 
