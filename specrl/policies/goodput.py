@@ -19,7 +19,7 @@ is only measured while drafting and a stale low estimate would otherwise keep it
 
 The rule keeps no state: everything it reads is in the features, so a behaviour clone can
 reproduce it and the exported controller runs it from the same vector. ``probe_every = 16`` was
-chosen on validation episodes (training prompts, arrival seeds 1000-1002, 120 s, concurrency
+chosen on validation episodes (``benchmarks/probe_period.py``: training prompts, arrival seeds 1000-1002, 120 s, concurrency
 1-16; geometric mean of goodput 64.01 / 64.04 / 64.10 / 64.00 / 63.87 tokens/s at 8 / 12 / 16 /
 24 / 32; the held-out prompts were not used to choose it).
 """
