@@ -168,7 +168,7 @@ def test_goodput_scales_by_match_coverage_and_probes_out_of_k0():
     first, again = p.decide(f), p.decide(f)
     assert first[0] > 0 and again == first
     assert p.decide(feats(batch_size=1, mean_context=200, draft_top1=0.0, since_draft=15))[0] == 0
-    with pytest.raises(ConfigError, match="probe_every=65 is outside 1..64"):
+    with pytest.raises(ConfigError, match=r"probe_every=65 \(batch size 1\) is outside 1..64"):
         from specrl.policies.goodput import GoodputArgmax
         GoodputArgmax(CTX, probe_every=65)
 
@@ -186,3 +186,30 @@ def test_since_draft_counts_steps_without_a_draft_and_saturates():
     for _ in range(SINCE_DRAFT_CAP + 10):
         tr.update_step(np.array([0]), np.array([0]), 0, 1)
     assert tr.vector()[INDEX["since_draft"]] == SINCE_DRAFT_CAP
+
+
+def test_goodput_probe_period_by_batch_size():
+    """``goodput:1=4,8=32``: probe after 4 steps at k = 0 below batch 8, after 32 from batch 8 on."""
+    p = make_policy("goodput:1=4,8=32", CTX)
+    assert p.name == "goodput:1=4,8=32" and make_policy("goodput", CTX).name == "goodput"
+    assert [p.probe_period(b) for b in (1, 7, 8, 16)] == [4, 4, 32, 32]
+    base = dict(mean_context=200, draft_top1=0.0, **{f"accept_d{d}": 0.9 for d in range(1, 9)})
+    assert p.decide(feats(batch_size=1, since_draft=4, **base))[0] > 0  # small batch: probes at 4
+    assert p.decide(feats(batch_size=1, since_draft=3, **base))[0] == 0
+    assert p.decide(feats(batch_size=8, since_draft=31, **base))[0] == 0  # large batch: waits for 32
+    assert p.decide(feats(batch_size=8, since_draft=32, **base))[0] > 0
+    one = make_policy("goodput:8", CTX)
+    assert [one.probe_period(b) for b in (1, 16)] == [8, 8]
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("goodput:x", "goodput:x is invalid. Allowed: goodput:P"),
+    ("goodput:1=4,8", "goodput:1=4,8 is invalid"),
+    ("goodput:1=4,1=8", "goodput:1=4,1=8 is invalid"),
+    ("goodput:2=4", "must start at batch size 1"),
+    ("goodput:0", "probe_every=0 .* is outside 1..64"),
+    ("goodput:1=4,8=65", r"probe_every=65 \(batch size 8\) is outside 1..64"),
+])
+def test_goodput_probe_spec_errors(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        make_policy(spec, CTX)

@@ -25,5 +25,5 @@ def test_sweep_runs_every_period_and_refuses_a_bad_one(tiny_replay_env):
     res = probe_period.sweep(cfg, [1, 64], ["closed:1"], [0])
     assert set(res["overall"]) == {"ar", "probe:1", "probe:64"}
     assert all(v > 0 for v in res["overall"].values())
-    with pytest.raises(ConfigError, match="probe_every=65 is outside 1..64"):
+    with pytest.raises(ConfigError, match=r"probe_every=65 \(batch size 1\) is outside 1..64"):
         probe_period.sweep(cfg, [16, 65], ["closed:1"], [0])

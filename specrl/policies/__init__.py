@@ -1,7 +1,8 @@
 """Policy registry: every baseline, the oracle and exported controllers by name.
 
 Names (usable from the CLI): ``ar``, ``static:K[,W]``, ``hf-heuristic``, ``hf-constant``,
-``hf-confidence``, ``goodput``, ``sglang-ema``, ``ucb``, ``oracle``, ``controller:DIR``.
+``hf-confidence``, ``goodput[:P | :B1=P1,B2=P2,...]`` (probe period, by batch size),
+``sglang-ema``, ``ucb``, ``oracle``, ``controller:DIR``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ def _lazy(module: str, cls: str, **kw: Any) -> Callable[[PolicyContext, str], An
     return make
 
 
+def _goodput(ctx: PolicyContext, arg: str) -> Any:
+    from specrl.policies.goodput import GoodputArgmax, parse_probe_spec
+
+    if not arg:
+        return GoodputArgmax(ctx)
+    return GoodputArgmax(ctx, probe_by_batch=parse_probe_spec(arg))
+
+
 def _controller(ctx: PolicyContext, arg: str) -> Any:
     from specrl.runtime.policy import ControllerPolicy
 
@@ -45,7 +54,7 @@ REGISTRY: dict[str, Callable[[PolicyContext, str], Any]] = {
     "hf-heuristic": _lazy("specrl.policies.rules", "HFHeuristic"),
     "hf-constant": lambda ctx, arg: _static(ctx, str(min(20, max(ctx.k_choices)))),
     "hf-confidence": _lazy("specrl.policies.rules", "HFConfidence"),
-    "goodput": _lazy("specrl.policies.goodput", "GoodputArgmax"),
+    "goodput": _goodput,
     "sglang-ema": _lazy("specrl.policies.rules", "SGLangEMA"),
     "ucb": _lazy("specrl.policies.rules", "UCB"),
     "oracle": _lazy("specrl.policies.oracle", "Oracle"),
@@ -58,10 +67,10 @@ def make_policy(spec: str, ctx: PolicyContext | None = None) -> Any:
     ctx = ctx or PolicyContext()
     name, _, arg = spec.partition(":")
     if name not in REGISTRY:
-        raise unknown_name("policy", spec, [*REGISTRY, "static:K,W", "controller:DIR"])
+        raise unknown_name("policy", spec, [*REGISTRY, "static:K,W", "goodput:P", "goodput:B=P,...", "controller:DIR"])
     pol = REGISTRY[name](ctx, arg)
-    if name == "hf-constant":
-        pol.name = "hf-constant"
+    if name == "hf-constant" or (name == "goodput" and arg):
+        pol.name = spec  # tables tell variants apart
     return pol
 
 

@@ -18,13 +18,18 @@ feature ``since_draft``) it drafts once with the cheapest speculative action, be
 is only measured while drafting and a stale low estimate would otherwise keep it at k = 0 forever.
 
 The rule keeps no state: everything it reads is in the features, so a behaviour clone can
-reproduce it and the exported controller runs it from the same vector. ``probe_every = 16`` was
+reproduce it and the exported controller runs it from the same vector. The probe period may depend
+on the batch size (``probe_by_batch``, spec ``goodput:1=4,8=16``), which the features also carry:
+at small batches a wasted probe is cheap and a missed speculation window is expensive, at large
+batches the opposite. ``probe_every = 16`` was
 chosen on validation episodes (``benchmarks/probe_period.py``: training prompts, arrival seeds 1000-1002, 120 s, concurrency
 1-16; geometric mean of goodput 64.01 / 64.04 / 64.10 / 64.00 / 63.87 tokens/s at 8 / 12 / 16 /
 24 / 32; the held-out prompts were not used to choose it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -84,17 +89,30 @@ def expected_accepted(k: int, w: int, alpha: np.ndarray) -> float:
 class GoodputArgmax(BasePolicy):
     name = "goodput"
 
-    def __init__(self, ctx: PolicyContext, probe_every: int = 16) -> None:
+    def __init__(self, ctx: PolicyContext, probe_every: int = 16,
+                 probe_by_batch: Mapping[int, int] | None = None) -> None:
         super().__init__(ctx)
-        if not 1 <= probe_every <= SINCE_DRAFT_CAP:
-            raise ConfigError(f"probe_every={probe_every} is outside 1..{SINCE_DRAFT_CAP} (the feature since_draft "
-                              f"saturates at {SINCE_DRAFT_CAP}). Fix: e.g. probe_every=16.")
+        schedule = dict(probe_by_batch) if probe_by_batch else {1: probe_every}
+        if 1 not in schedule or any(b < 1 for b in schedule):
+            raise ConfigError(f"probe_by_batch={schedule} must start at batch size 1 and list batch sizes >= 1 "
+                              "(each entry holds from its batch size up to the next one). Fix: e.g. {1: 4, 8: 16}.")
+        for b, p in schedule.items():
+            if not 1 <= p <= SINCE_DRAFT_CAP:
+                raise ConfigError(f"probe_every={p} (batch size {b}) is outside 1..{SINCE_DRAFT_CAP} (the feature "
+                                  f"since_draft saturates at {SINCE_DRAFT_CAP}). Fix: e.g. probe_every=16.")
         if ctx.cost_model is None:
             raise ConfigError("The 'goodput' policy needs a cost model (specrl profile). Fix: pass one in the "
                               "PolicyContext, or evaluate on an env that has one.")
         self.actions = self.table.all()
-        self.probe_every = probe_every
+        self._probe_from = np.array(sorted(schedule))  # (S,) batch sizes where a period starts
+        self._probe_period = np.array([schedule[b] for b in self._probe_from])  # (S,)
+        self.probe_every = int(self._probe_period[0])
         self._precompute()
+
+    def probe_period(self, batch: int) -> int:
+        """Steps at k = 0 before a probe draft at this batch size (the entry with the largest
+        listed batch size <= batch)."""
+        return int(self._probe_period[np.searchsorted(self._probe_from, max(1, batch), side="right") - 1])
 
     def _precompute(self) -> None:
         """Per-action tree data for a vectorised ``scores`` (the rule runs every step of every
@@ -123,6 +141,26 @@ class GoodputArgmax(BasePolicy):
 
     def decide(self, features: np.ndarray) -> tuple[int, int]:
         k, w = self.actions[int(np.argmax(self.scores(features)))]
-        if k == 0 and features[INDEX["since_draft"]] >= self.probe_every:
+        batch = max(1, int(round(float(features[INDEX["batch_size"]]))))
+        if k == 0 and features[INDEX["since_draft"]] >= self.probe_period(batch):
             k, w = min((a for a in self.actions if a[0] > 0), key=lambda a: a[0] * a[1], default=(0, 1))
         return k, w
+
+
+def parse_probe_spec(arg: str) -> dict[int, int]:
+    """The argument of ``goodput:ARG``: ``P`` (one probe period) or ``B1=P1,B2=P2,...`` (period P_i
+    from batch size B_i up to the next listed one; B1 must be 1). Returns {batch size: period}."""
+    allowed = "goodput:P (one probe period, 1..64) or goodput:B1=P1,B2=P2,... (period by batch size, from B1=1)"
+    try:
+        if "=" not in arg:
+            return {1: int(arg)}
+        pairs = [part.split("=") for part in arg.split(",")]
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError(arg)
+        out = {int(b): int(p) for b, p in pairs}
+        if len(out) != len(pairs):
+            raise ValueError(arg)
+        return out
+    except ValueError:
+        raise ConfigError(f"goodput:{arg} is invalid. Allowed: {allowed}. Fix: e.g. goodput:16 or "
+                          "goodput:1=4,8=16.") from None
