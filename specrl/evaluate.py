@@ -16,6 +16,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -403,11 +404,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _split_policies(text: str) -> list[str]:
-    """Comma-separated names, where ``static:K,W`` keeps its comma."""
+    """Comma-separated names, where ``static:K,W`` and ``goodput:B1=P1,B2=P2`` keep their commas."""
     out: list[str] = []
     for part in text.split(","):
-        if out and out[-1].startswith("static:") and part.strip().isdigit() and "," not in out[-1][7:]:
-            out[-1] += "," + part.strip()
+        part = part.strip()
+        if out and out[-1].startswith("static:") and part.isdigit() and "," not in out[-1][7:]:
+            out[-1] += "," + part
+        elif out and out[-1].startswith("goodput:") and "=" in out[-1] and re.fullmatch(r"\d+=\d+", part):
+            out[-1] += "," + part
         else:
             out.append(part.strip())
     return [p for p in out if p]

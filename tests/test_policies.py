@@ -213,3 +213,10 @@ def test_goodput_probe_period_by_batch_size():
 def test_goodput_probe_spec_errors(spec, match):
     with pytest.raises(ConfigError, match=match):
         make_policy(spec, CTX)
+
+
+def test_cli_policy_list_keeps_commas_inside_specs():
+    from specrl.evaluate import _split_policies
+
+    assert _split_policies("ar, static:4,1,goodput:1=4,8=16,static:3,goodput:8,oracle") == [
+        "ar", "static:4,1", "goodput:1=4,8=16", "static:3", "goodput:8", "oracle"]
