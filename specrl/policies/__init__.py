@@ -2,7 +2,8 @@
 
 Names (usable from the CLI): ``ar``, ``static:K[,W]``, ``hf-heuristic``, ``hf-constant``,
 ``hf-confidence``, ``goodput[:P | :B1=P1,B2=P2,...]`` (probe period, by batch size),
-``sglang-ema``, ``ucb``, ``oracle``, ``controller:DIR``.
+``sglang-ema``, ``ucb``, ``oracle``, ``controller:DIR``, ``accmodel:DIR`` (a learned acceptance
+model, ``specrl.accmodel``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def _goodput(ctx: PolicyContext, arg: str) -> Any:
     return GoodputArgmax(ctx, probe_by_batch=parse_probe_spec(arg))
 
 
+def _accmodel(ctx: PolicyContext, arg: str) -> Any:
+    from specrl.accmodel import make_policy as make_accmodel
+
+    return make_accmodel(ctx, arg)
+
+
 def _controller(ctx: PolicyContext, arg: str) -> Any:
     from specrl.runtime.policy import ControllerPolicy
 
@@ -59,6 +66,7 @@ REGISTRY: dict[str, Callable[[PolicyContext, str], Any]] = {
     "ucb": _lazy("specrl.policies.rules", "UCB"),
     "oracle": _lazy("specrl.policies.oracle", "Oracle"),
     "controller": _controller,
+    "accmodel": _accmodel,
 }
 
 
@@ -67,7 +75,7 @@ def make_policy(spec: str, ctx: PolicyContext | None = None) -> Any:
     ctx = ctx or PolicyContext()
     name, _, arg = spec.partition(":")
     if name not in REGISTRY:
-        raise unknown_name("policy", spec, [*REGISTRY, "static:K,W", "goodput:P", "goodput:B=P,...", "controller:DIR"])
+        raise unknown_name("policy", spec, [*REGISTRY, "static:K,W", "goodput:P", "goodput:B=P,...", "controller:DIR", "accmodel:DIR"])
     pol = REGISTRY[name](ctx, arg)
     if name == "hf-constant" or (name == "goodput" and arg):
         pol.name = spec  # tables tell variants apart

@@ -126,18 +126,26 @@ class GoodputArgmax(BasePolicy):
         self._tokens = np.array([1.0 if sh is None else sh.num_nodes + 1.0 for sh in shapes])
         self._drafted = np.array([k > 0 for k, _ in self.actions])
 
+    def expected_accepted_per_row(self, features: np.ndarray) -> np.ndarray:
+        """(A,) expected accepted draft tokens per running request for every action: the tree
+        model on the acceptance EMAs, times the fraction of requests that have a draft now.
+        (``specrl.accmodel`` learns this from replay outcomes instead.)"""
+        alpha = features[INDEX["accept_d1"] : INDEX["accept_d1"] + ACCEPT_DEPTHS].astype(float)
+        coverage = float(features[INDEX["draft_top1"]]) if self.ctx.drafter == "ngram" else 1.0
+        return coverage * self._paths.expected_accepted(alpha)  # (A,)
+
+    def step_times(self, features: np.ndarray) -> np.ndarray:
+        """(A,) step time (s) of every action at the current batch size and context (cost model)."""
+        batch = max(1, int(round(float(features[INDEX["batch_size"]]))))
+        n_act = len(self.actions)
+        return self.ctx.cost_model.step_time_batch(
+            self.ctx.drafter, self._drafted, np.full(n_act, batch), self._tokens, self._levels,
+            np.full(n_act, float(features[INDEX["mean_context"]])), np.zeros(n_act), np.zeros(n_act))
+
     def scores(self, features: np.ndarray) -> np.ndarray:
         """(A,) expected goodput (tokens/s) of every action of the table."""
-        alpha = features[INDEX["accept_d1"] : INDEX["accept_d1"] + ACCEPT_DEPTHS].astype(float)
         batch = max(1, int(round(float(features[INDEX["batch_size"]]))))
-        ctx = float(features[INDEX["mean_context"]])
-        coverage = float(features[INDEX["draft_top1"]]) if self.ctx.drafter == "ngram" else 1.0
-        accepted = self._paths.expected_accepted(alpha)  # (A,)
-        n_act = len(self.actions)
-        t = self.ctx.cost_model.step_time_batch(
-            self.ctx.drafter, self._drafted, np.full(n_act, batch), self._tokens, self._levels,
-            np.full(n_act, ctx), np.zeros(n_act), np.zeros(n_act))  # (A,)
-        return batch * (1.0 + coverage * accepted) / t
+        return batch * (1.0 + self.expected_accepted_per_row(features)) / self.step_times(features)
 
     def decide(self, features: np.ndarray) -> tuple[int, int]:
         k, w = self.actions[int(np.argmax(self.scores(features)))]

@@ -1,0 +1,99 @@
+"""The learned acceptance model (specrl.accmodel): fit, decisions, artifacts, tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from specrl import accmodel
+from specrl.costs import CostModel
+from specrl.errors import ConfigError
+from specrl.features import INDEX, NUM_FEATURES, initial_features
+from specrl.policies import PolicyContext, make_policy
+from specrl.policies.base import ActionTable
+
+CTX = PolicyContext([0, 1, 2, 4, 8], [1, 2], CostModel.analytic(), "ngram")
+TABLE = ActionTable(CTX.k_choices, CTX.w_choices)
+ACTIONS = TABLE.all()
+
+
+def constant_model(per_action: list[float]) -> accmodel.AcceptanceModel:
+    """A model that predicts the same accepted tokens per row whatever the features."""
+    w = np.zeros((len(per_action), NUM_FEATURES))
+    return accmodel.AcceptanceModel([(w, np.asarray(per_action, float))], np.zeros(NUM_FEATURES), np.ones(NUM_FEATURES))
+
+
+def feats(batch: float = 1.0) -> np.ndarray:
+    f = initial_features(1)[0]
+    f[INDEX["batch_size"]], f[INDEX["mean_context"]] = batch, 200
+    return f
+
+
+def test_decisions_follow_the_predicted_acceptance():
+    none = accmodel.AcceptanceModelPolicy(CTX, constant_model([0.0] * len(ACTIONS)))
+    assert none.decide(feats()) == (0, 1)  # nothing accepted: drafting only costs time
+    want = ACTIONS.index((4, 1))
+    pred = [0.0] * len(ACTIONS)
+    pred[want] = 4.0  # every draft token of (4, 1) accepted, nothing else
+    assert accmodel.AcceptanceModelPolicy(CTX, constant_model(pred)).decide(feats()) == (4, 1)
+    # k = 0 accepts nothing, whatever the network says for it
+    bogus = [0.0] * len(ACTIONS)
+    bogus[ACTIONS.index((0, 1))] = 50.0
+    pol = accmodel.AcceptanceModelPolicy(CTX, constant_model(bogus))
+    assert pol.expected_accepted_per_row(feats())[ACTIONS.index((0, 1))] == 0.0
+
+
+def test_fit_learns_a_feature_dependent_target_and_numpy_matches():
+    rng = np.random.default_rng(0)
+    obs = rng.normal(size=(4000, NUM_FEATURES)).astype(np.float32)
+    obs[:, INDEX["match_len"]] = rng.uniform(0, 4, 4000)
+    y = np.stack([np.clip(obs[:, INDEX["match_len"]] * (a[0] / 8), 0, None) for a in ACTIONS], 1)  # (M, A)
+    model, stats = accmodel.fit(obs, y, accmodel.Recipe(hidden=(32,), epochs=20, batch_size=64), seed=0)
+    assert stats["mse"] < 0.1 * stats["mse_constant"]  # the features explain the target
+    pred = model(obs[:5])
+    assert pred.shape == (5, len(ACTIONS)) and (pred >= 0).all()
+    np.testing.assert_allclose(model(obs[0]), pred[0], rtol=1e-6)  # one row or a batch alike
+
+
+def test_save_load_roundtrip_through_the_registry(tmp_path):
+    m = constant_model([0.0, 0.5, 0.2, 1.5, 0.9, 2.8, 1.0, 3.5, 1.0])
+    d = accmodel.save(m, tmp_path / "am", TABLE, {"recipe": {}, "seed": 0})
+    assert sorted(p.name for p in d.iterdir()) == ["accmodel.json", "accmodel.safetensors"]
+    pol = make_policy(f"accmodel:{d}", CTX)
+    assert pol.name == f"accmodel:{d}"
+    for b in (1, 4, 16):
+        np.testing.assert_allclose(pol.scores(feats(b)), accmodel.AcceptanceModelPolicy(CTX, m).scores(feats(b)),
+                                   rtol=1e-6)
+    with pytest.raises(ConfigError, match="this env's table is"):
+        make_policy(f"accmodel:{d}", PolicyContext([0, 1, 2], [1], CostModel.analytic(), "ngram"))
+    meta = json.loads((d / "accmodel.json").read_text())
+    (d / "accmodel.json").write_text(json.dumps({**meta, "schema_version": 1}))
+    with pytest.raises(ConfigError, match="schema v1; this specrl reads .* Fix: retrain"):
+        make_policy(f"accmodel:{d}", CTX)
+    with pytest.raises(ConfigError, match="must hold accmodel.json and accmodel.safetensors"):
+        make_policy(f"accmodel:{tmp_path / 'missing'}", CTX)
+    with pytest.raises(ConfigError, match="needs a directory"):
+        make_policy("accmodel:", CTX)
+
+
+def test_tiny_training_run_end_to_end(tiny_replay_env, tmp_path):
+    from specrl.envs.config import load_env_config, policy_context
+    from specrl.evaluate import evaluate, parse_loads
+    from specrl.train import prepare
+
+    cfg = load_env_config(tiny_replay_env)
+    prepare(cfg, progress=False)
+    recipe = accmodel.Recipe(steps=6, rounds=1, round_steps=4, n_envs=4, hidden=(16,), epochs=2)
+    logs: list[str] = []
+    model, info = accmodel.train(cfg, recipe, seed=0, progress=False, log=logs.append)
+    assert [h["samples"] for h in info["history"]] == [24, 40] and len(logs) == 2
+    d = accmodel.save(model, tmp_path / "am", ActionTable(cfg.k_choices, cfg.w_choices), info)
+    res = evaluate(replace(cfg, horizon_s=2.0), ["ar", f"accmodel:{d}"], parse_loads(["closed:1"]), [0], None,
+                   progress=False)
+    assert res["overall"][f"accmodel:{d}"] > 0
+    with pytest.raises(ConfigError, match="prompt_split 'test'"):
+        accmodel.train(replace(cfg, prompt_split="test"), recipe, seed=0, progress=False)
+    assert policy_context(cfg).cost_model is not None
