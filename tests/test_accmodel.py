@@ -94,6 +94,22 @@ def test_tiny_training_run_end_to_end(tiny_replay_env, tmp_path):
     res = evaluate(replace(cfg, horizon_s=2.0), ["ar", f"accmodel:{d}"], parse_loads(["closed:1"]), [0], None,
                    progress=False)
     assert res["overall"][f"accmodel:{d}"] > 0
+    # exported as a runtime controller: self-contained (the model's files travel inside it), same decisions
+    import shutil
+
+    from specrl.runtime.controller import Controller
+    from specrl.runtime.export import export_rule
+
+    art = export_rule(f"accmodel:{d}", cfg, tmp_path / "ctl")
+    pol = make_policy(f"accmodel:{d}", policy_context(cfg))
+    shutil.rmtree(d)
+    ctl = Controller.load(shutil.move(str(art), str(tmp_path / "moved")))
+    rng = np.random.default_rng(1)
+    for b in (1, 2, 4):
+        f = feats(b)
+        f[INDEX["draft_top1"]], f[INDEX["match_len"]] = rng.uniform(), rng.uniform(0, 4)
+        assert ctl.decide(f) == pol.decide(f)
+    assert ctl.fallbacks == 0
     with pytest.raises(ConfigError, match="prompt_split 'test'"):
         accmodel.train(replace(cfg, prompt_split="test"), recipe, seed=0, progress=False)
     assert policy_context(cfg).cost_model is not None

@@ -7,7 +7,8 @@ Artifact layout (directory):
   observation normalisation (mean, var, clip), frame stacking, action tables (``defer``: the rule
   behind the k head's extra choice, see ``specrl.defer``), the deterministic action rule, the
   guard (training feature range, fallback rule), provenance.
-* ``policy.safetensors``: the weights (``mlp`` only). safetensors holds raw tensors: loading it
+* ``policy.safetensors``: the weights (``mlp`` only). A ``rule`` artifact of a learned acceptance
+  model (``accmodel:.``) carries ``accmodel.json`` + ``accmodel.safetensors`` beside it. safetensors holds raw tensors: loading it
   cannot execute code, unlike a pickle.
 
 The guard: a feature vector with NaN/inf or outside the training range (widened by ``margin``)
@@ -110,6 +111,9 @@ class Controller:
         from specrl.costs import CostModel
         from specrl.policies import PolicyContext, make_policy
 
+        name, _, arg = spec.partition(":")
+        if name == "accmodel" and self.path and not Path(arg).is_absolute():
+            spec = f"accmodel:{Path(self.path) / arg}"  # the model's files travel in the artifact
         cm = self.meta.get("cost_model")
         ctx = PolicyContext(self.k_choices, self.w_choices, CostModel(**_cost_args(cm)) if cm else None,
                             self.meta.get("provenance", {}).get("drafter", "ngram"))

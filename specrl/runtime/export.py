@@ -130,6 +130,13 @@ def export_rule(rule: str, env_cfg: Any, out: Path) -> Path:
     except Exception:  # noqa: BLE001
         cost = None
     make_policy(rule, PolicyContext(env_cfg.k_choices, env_cfg.w_choices, cost, env_cfg.drafter))  # validate
+    if rule.startswith("accmodel:"):  # a learned acceptance model travels inside the artifact
+        import shutil
+
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("accmodel.json", "accmodel.safetensors"):
+            shutil.copyfile(Path(rule.partition(":")[2]) / name, out / name)
+        rule = "accmodel:."  # resolved against the artifact directory when loaded
     meta = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "rule", "rule": rule, "schema": schema(),
         "actions": {"kind": "multidiscrete", "k_choices": env_cfg.k_choices, "w_choices": env_cfg.w_choices},
@@ -143,7 +150,8 @@ def export_rule(rule: str, env_cfg: Any, out: Path) -> Path:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", nargs="?", default=None, help="a `specrl train` run directory")
     p.add_argument("-o", "--output", default=None, help="artifact directory (default: RUN_DIR/export)")
-    p.add_argument("--rule", default=None, help="export a baseline rule instead (e.g. goodput, static:4,2)")
+    p.add_argument("--rule", default=None, help="export a rule instead (e.g. goodput, static:4,2, "
+                   "accmodel:DIR: a learned acceptance model, copied into the artifact)")
     p.add_argument("--env", default="envs/replay.yaml", help="env preset for --rule (action tables, cost model)")
     p.add_argument("--fallback", default=None, help="guard fallback rule (default: goodput if a cost model exists, else ar)")
 
