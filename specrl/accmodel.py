@@ -59,6 +59,20 @@ class Recipe:
     batch_size: int = 1024
 
 
+def recipe_from(agent: Any) -> Recipe:
+    """The recipe of an agent preset with ``algo: accmodel``: its ``hyperparams`` are Recipe
+    fields, ``n_envs`` comes from the preset itself."""
+    fields = {f for f in Recipe.__dataclass_fields__ if f != "n_envs"}
+    bad = sorted(set(agent.hyperparams) - fields)
+    if bad:
+        raise ConfigError(f"algo 'accmodel' has no hyperparameter(s) {bad}. Allowed: {', '.join(sorted(fields))}. "
+                          "Fix: see agents/accmodel.yaml.")
+    hp = dict(agent.hyperparams)
+    if "hidden" in hp:
+        hp["hidden"] = tuple(hp["hidden"])
+    return Recipe(**hp, n_envs=agent.n_envs)
+
+
 class AcceptanceModel:
     """The MLP in numpy (tanh hidden layers, linear output): (F,) or (N, F) features -> (.., A)."""
 
@@ -111,7 +125,7 @@ def collect(env_cfg: Any, decide: Any, steps: int, n_envs: int, seed: int, epsil
     obs = vec.reset()  # (N, F)
     all_obs = np.empty((steps, n_envs, obs.shape[1]), np.float32)
     all_y = np.empty((steps, n_envs, len(actions)), np.float32)
-    for t in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
+    for t in tqdm(range(steps), desc=desc, disable=not progress, leave=False, mininterval=2.0):
         acts, tok, _ = vec.action_outcomes()  # tok: (N, U) committed tokens of the batch per action
         col = {a: j for j, a in enumerate(acts)}
         batch = np.maximum(obs[:, INDEX["batch_size"]], 1.0)  # (N,)

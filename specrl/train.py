@@ -22,7 +22,9 @@ from specrl.config import apply_overrides, from_dict, load_yaml, split_override
 from specrl.errors import ConfigError, unknown_name
 from specrl.evaluate import EVAL_HORIZON_S
 
-ALGOS = ("ppo", "a2c", "dqn")
+ALGOS = ("ppo", "a2c", "dqn", "accmodel")
+"""SB3 algorithms, and ``accmodel``: a learned acceptance model fit on the replay env's
+counterfactual outcomes (``specrl.accmodel``; its ``hyperparams`` are ``accmodel.Recipe`` fields)."""
 SCHEDULED = ("learning_rate", "clip_range")
 """Hyperparameters that may be a linear schedule, written ``lin_<start>`` as in rl-zoo: the value
 falls linearly from ``start`` at the first step to 0 at ``total_timesteps``."""
@@ -94,6 +96,14 @@ class AgentConfig:
                               "eval_every > 0 (e.g. 250000) or keep: last.")
         if self.n_envs < 1 or self.total_timesteps < 1 or self.frame_stack < 1:
             raise ConfigError("n_envs, total_timesteps and frame_stack must be >= 1.")
+        if self.algo == "accmodel":
+            from specrl.accmodel import recipe_from
+
+            if self.pretrain or self.defer or self.frame_stack > 1:
+                raise ConfigError(f"algo 'accmodel' is not an SB3 agent: pretrain={self.pretrain!r}, defer="
+                                  f"{self.defer!r}, frame_stack={self.frame_stack} do not apply. Fix: set pretrain: "
+                                  "null, defer: null, frame_stack: 1 (see agents/accmodel.yaml).")
+            recipe_from(self)  # refuse unknown hyperparams now, not after the traces are collected
         if self.pretrain and (self.algo == "dqn" or self.frame_stack > 1):
             raise ConfigError(f"pretrain={self.pretrain!r} works with algo ppo or a2c and frame_stack 1 (got algo="
                               f"{self.algo!r}, frame_stack={self.frame_stack}). Fix: set pretrain: null or change those.")
@@ -537,6 +547,8 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
     # machine cost ~1 ms per tiny matmul
     torch.set_num_threads(1)
     tracker = WandbTracker(run_dir, name, json.loads((run_dir / "config.json").read_text())) if track else None
+    if agent.algo == "accmodel":
+        return _train_accmodel(env_cfg, agent, seed, run_dir, tracker, progress, final_eval)
     ck = latest_checkpoint(run_dir) if resume is not None else None
     stats = load_stats(ck / "obs_stats.json") if ck is not None else None
     vec = make_vec_env(env_cfg, agent, seed, stats)
@@ -570,21 +582,55 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
     if warm is not None:
         summary["pretrain"] = warm
     if final_eval:
-        from specrl.evaluate import markdown_table
-        from specrl.policies import BASELINES
-
-        pol = learned_policy(run_dir, env_cfg, agent, model)
-        res = quick_eval(env_cfg, agent, pol, [*BASELINES, "oracle"], out=run_dir / "eval")
-        summary["eval"] = {k: res[k] for k in ("overall", "by_load", "ci95", "accept_len", "plots", "table")}
-        (run_dir / "eval" / "table.md").write_text(markdown_table(res["_agg"], res["_labels"], res["_names"]) + "\n")
-        if tracker is not None:
-            for p in res.get("plots", []):
-                tracker.image(f"eval/{Path(p).stem}", Path(p))
-            tracker.table("eval/overall", [[k, v] for k, v in res["overall"].items()], ["policy", "goodput"])
+        _final_eval(run_dir, env_cfg, agent, learned_policy(run_dir, env_cfg, agent, model), tracker, summary)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
     if tracker is not None:
         tracker.finish()
     return summary
+
+
+def _train_accmodel(env_cfg: Any, agent: AgentConfig, seed: int, run_dir: Path, tracker: Any, progress: bool,
+                    final_eval: bool) -> dict[str, Any]:
+    """``algo: accmodel``: fit the acceptance model (minutes, so --resume simply refits), save it
+    to RUN_DIR/accmodel, then the same final evaluation as the SB3 agents."""
+    from specrl import accmodel
+    from specrl.envs.config import policy_context
+    from specrl.policies.base import ActionTable
+
+    t0 = time.perf_counter()
+    model, info = accmodel.train(env_cfg, accmodel.recipe_from(agent), seed, progress)
+    train_s = time.perf_counter() - t0
+    accmodel.save(model, run_dir / "accmodel", ActionTable(env_cfg.k_choices, env_cfg.w_choices), info)
+    if tracker is not None:
+        for h in info["history"]:
+            tracker.log({f"accmodel/{k}": v for k, v in h.items() if k != "round"}, h["round"])
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "samples": info["history"][-1]["samples"],
+                               "train_seconds": train_s, "accmodel": info["history"]}
+    pol = accmodel.AcceptanceModelPolicy(policy_context(env_cfg), model)
+    val = quick_eval(env_cfg, agent, pol, ["goodput"], split="train", seed0=VALIDATION_SEED0)
+    summary["validation"] = {"learned": val["overall"]["learned"], "goodput": val["overall"]["goodput"]}
+    print(f"accmodel: validation {val['overall']['learned']:.2f} tokens/s vs goodput {val['overall']['goodput']:.2f} "
+          f"({val['overall']['learned'] / val['overall']['goodput']:.3f}x), {train_s:.0f} s of training", flush=True)
+    if final_eval:
+        _final_eval(run_dir, env_cfg, agent, pol, tracker, summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    if tracker is not None:
+        tracker.finish()
+    return summary
+
+
+def _final_eval(run_dir: Path, env_cfg: Any, agent: AgentConfig, pol: Any, tracker: Any, summary: dict[str, Any]) -> None:
+    """Held-out evaluation of the run's policy beside every baseline and the oracle (table, plots)."""
+    from specrl.evaluate import markdown_table
+    from specrl.policies import BASELINES
+
+    res = quick_eval(env_cfg, agent, pol, [*BASELINES, "oracle"], out=run_dir / "eval")
+    summary["eval"] = {k: res[k] for k in ("overall", "by_load", "ci95", "accept_len", "plots", "table")}
+    (run_dir / "eval" / "table.md").write_text(markdown_table(res["_agg"], res["_labels"], res["_names"]) + "\n")
+    if tracker is not None:
+        for p in res.get("plots", []):
+            tracker.image(f"eval/{Path(p).stem}", Path(p))
+        tracker.table("eval/overall", [[k, v] for k, v in res["overall"].items()], ["policy", "goodput"])
 
 
 def keep_best(run_dir: Path, model: Any, agent: AgentConfig, callback: Any, summary: dict[str, Any]) -> Any:

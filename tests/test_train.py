@@ -228,3 +228,39 @@ def test_training_evaluations_use_every_category(tiny_env):
         prepare(cfg, progress=False)
         res[str(n)] = quick_eval(cfg, agent, None, ["ar", "goodput"])["by_load"]
     assert res["0"] == res["[1, 2]"]
+
+
+ACC_TINY = ["agent.n_envs=4", "agent.eval_seeds=1", "agent.eval_loads=[closed:1]", "agent.eval_horizon_s=2.0",
+            "agent.hyperparams.steps=6", "agent.hyperparams.rounds=1", "agent.hyperparams.round_steps=4",
+            "agent.hyperparams.hidden=[16]", "agent.hyperparams.epochs=2"]
+
+
+def test_accmodel_preset_trains_evaluates_tracks_and_exports(tiny_env, tmp_path, monkeypatch):
+    """agents/accmodel.yaml through `specrl train`: the model is saved in the run, evaluated beside
+    every baseline, logged to wandb offline, and `specrl export` turns the run into a controller."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    summary = train(tiny_env, "agents/accmodel.yaml", ACC_TINY, seed=1, track=True, run_dir=tmp_path / "am",
+                    progress=False)
+    run = Path(summary["run_dir"])
+    for f in ("config.json", "accmodel/accmodel.json", "accmodel/accmodel.safetensors", "summary.json", "eval/table.md"):
+        assert (run / f).exists(), f
+    assert [h["samples"] for h in summary["accmodel"]] == [24, 40]
+    assert summary["validation"]["learned"] > 0 and summary["validation"]["goodput"] > 0
+    assert "learned" in summary["eval"]["overall"] and "oracle" in summary["eval"]["overall"]
+    assert list((run / "wandb").glob("offline-run-*"))
+    from specrl.runtime import Controller
+    from specrl.runtime.export import export_run
+
+    ctl = Controller.load(export_run(run, tmp_path / "am-export"))
+    assert ctl.kind == "rule" and (tmp_path / "am-export" / "accmodel.safetensors").exists()
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"hyperparams": {"epoch": 3}}, r"no hyperparameter\(s\) \['epoch'\]. Allowed: batch_size, epochs"),
+    ({"pretrain": "goodput"}, "algo 'accmodel' is not an SB3 agent"),
+    ({"defer": "goodput"}, "algo 'accmodel' is not an SB3 agent"),
+])
+def test_accmodel_preset_refuses_what_does_not_apply(over, match):
+    with pytest.raises(ConfigError, match=match):
+        load_agent_config("agents/accmodel.yaml", over)

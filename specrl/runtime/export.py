@@ -66,6 +66,8 @@ def export_run(run_dir: Path, out: Path, fallback: str | None = None, margin: fl
     from specrl.train import FlatActions, load_model, load_run_config, load_stats
 
     env_cfg, agent, saved = load_run_config(run_dir)
+    if agent.algo == "accmodel":  # numpy already: the model's own files travel in a rule artifact
+        return export_rule(f"accmodel:{run_dir / 'accmodel'}", env_cfg, out)
     model = load_model(run_dir, agent)
     layers, (hw, hb) = extract_mlp(model)
     tensors: dict[str, np.ndarray] = {}
