@@ -2,11 +2,12 @@
 
 1. prepare the replay env: record traces of the built-in prompts and profile the cost model
    (both cached: later runs skip them);
-2. train the default agent (PPO, ``agents/ppo.yaml``: a behaviour clone of the ``goodput``
-   rule first, then RL) on the vectorised replay env with the training prompts;
-3. evaluate it beside every baseline and the oracle on the held-out prompts over a load sweep
+2. train the agents (PPO, ``agents/ppo.yaml``: a behaviour clone of the ``goodput`` rule first,
+   then RL; and the learned acceptance model, ``agents/accmodel.yaml``) on the vectorised replay
+   env with the training prompts;
+3. evaluate each beside every baseline and the oracle on the held-out prompts over a load sweep
    (3 arrival seeds), writing the table and plots;
-4. export it to a runtime controller, and let the controller drive the real engine on two
+4. export each to a runtime controller, and let it drive the real engine on two
    held-out prompts next to plain decoding (same tokens, measured speed).
 """
 
@@ -19,7 +20,8 @@ from pathlib import Path
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", default="envs/replay.yaml")
-    p.add_argument("--agent", default="agents/ppo.yaml")
+    p.add_argument("--agent", default="agents/ppo.yaml,agents/accmodel.yaml",
+                   help="agent preset(s), comma-separated: each is trained, evaluated, exported")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="env or agent.* overrides")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--track", action="store_true", help="log the run to wandb (offline unless logged in)")
@@ -41,25 +43,51 @@ def run(args: argparse.Namespace) -> int:
     from specrl.train import train
 
     t0 = time.perf_counter()
-    env, agent = _resolve(args.env), _resolve(args.agent)
+    env = _resolve(args.env)
+    agents = [_resolve(a.strip()) for a in args.agent.split(",") if a.strip()]
     print(f"[1/4] preparing the replay env ({env}): traces and cost model (cached after the first run)", flush=True)
-    print("[2/4] training and [3/4] evaluating on held-out prompts", flush=True)
-    summary = train(env, agent, args.set, args.seed, args.track, Path(args.run_dir) if args.run_dir else None)
-    run_dir = Path(summary["run_dir"])
-    print("\n[4/4] exporting the controller", flush=True)
-    out = export_run(run_dir, run_dir / "export")
-    ev = summary["eval"]
-    ov = ev["overall"]
-    best = max((v, k) for k, v in ov.items() if k not in ("learned", "oracle"))
-    print(f"\nheld-out evaluation, goodput (tokens/s, geometric mean over loads): learned {ov['learned']:.1f}, best "
-          f"baseline {best[1]} {best[0]:.1f} ({ov['learned'] / best[0]:.3f}x), oracle {ov['oracle']:.1f} "
-          f"(learned = {ov['learned'] / ov['oracle']:.2f} of oracle)")
-    print(Path(ev["table"]).read_text())
-    if args.live_prompts:
-        live_check(run_dir, out, args.live_prompts)
-    print(f"\nrun directory: {run_dir}\n  table: {ev['table']}\n  plots: {', '.join(ev['plots'])}\n"
-          f"  controller: {out}\n  total time: {(time.perf_counter() - t0) / 60:.1f} min")
+    done = []
+    for agent in agents:
+        print(f"[2/4] training {agent} and [3/4] evaluating it on held-out prompts", flush=True)
+        run_dir = Path(args.run_dir) / Path(agent).stem if args.run_dir and len(agents) > 1 else args.run_dir
+        summary = train(env, agent, args.set, args.seed, args.track, Path(run_dir) if run_dir else None)
+        run_dir = Path(summary["run_dir"])
+        print(f"\n[4/4] exporting {agent} as a controller", flush=True)
+        out = export_run(run_dir, run_dir / "export")
+        done.append((Path(agent).stem, run_dir, out, summary["eval"]))
+        ov = summary["eval"]["overall"]
+        best = max((v, k) for k, v in ov.items() if k not in ("learned", "oracle"))
+        print(f"\n{Path(agent).stem}, held-out evaluation, goodput (tokens/s, geometric mean over loads): learned "
+              f"{ov['learned']:.1f}, best baseline {best[1]} {best[0]:.1f} ({ov['learned'] / best[0]:.3f}x), oracle "
+              f"{ov['oracle']:.1f} (learned = {ov['learned'] / ov['oracle']:.2f} of oracle)")
+        print(Path(summary["eval"]["table"]).read_text())
+        if args.live_prompts:
+            live_check(run_dir, out, args.live_prompts)
+    if len(done) > 1:
+        print(comparison(done))
+    for name, run_dir, out, ev in done:
+        print(f"\n{name} run directory: {run_dir}\n  table: {ev['table']}\n  plots: {', '.join(ev['plots'])}\n"
+              f"  controller: {out}")
+    print(f"\ntotal time: {(time.perf_counter() - t0) / 60:.1f} min")
     return 0
+
+
+def comparison(done: list[tuple[str, Path, Path, dict]]) -> str:
+    """One table: every trained agent beside the best baseline and the oracle, per load (held-out)."""
+    ev0 = done[0][3]
+    names = [d[0] for d in done]
+    lines = ["\nheld-out goodput (tokens/s) per load: the agents side by side (same episodes)",
+             "| load | best baseline | " + " | ".join(f"{n} (/ best)" for n in names) + " | oracle |",
+             "|---|---|" + "---|" * len(names) + "---|"]
+    for load in [*ev0["by_load"], "overall"]:
+        g0 = ev0["overall"] if load == "overall" else ev0["by_load"][load]
+        bv, bk = max((v, k) for k, v in g0.items() if k not in ("learned", "oracle"))
+        cells = []
+        for _, _, _, ev in done:
+            v = (ev["overall"] if load == "overall" else ev["by_load"][load])["learned"]
+            cells.append(f"{v:.1f} ({v / bv:.3f})")
+        lines.append(f"| {load} | `{bk}` {bv:.1f} | " + " | ".join(cells) + f" | {g0['oracle']:.1f} |")
+    return "\n".join(lines)
 
 
 def live_check(run_dir: Path, artifact: Path, n: int) -> None:

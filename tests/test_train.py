@@ -264,3 +264,20 @@ def test_accmodel_preset_trains_evaluates_tracks_and_exports(tiny_env, tmp_path,
 def test_accmodel_preset_refuses_what_does_not_apply(over, match):
     with pytest.raises(ConfigError, match=match):
         load_agent_config("agents/accmodel.yaml", over)
+
+
+def test_demo_comparison_puts_agents_beside_the_best_baseline_per_load():
+    from specrl.demo import comparison
+
+    def ev(learned):
+        return {"by_load": {"closed:1": {"ar": 10.0, "goodput": 12.0, "oracle": 15.0, "learned": learned[0]},
+                            "closed:8": {"ar": 40.0, "goodput": 38.0, "oracle": 41.0, "learned": learned[1]}},
+                "overall": {"ar": 20.0, "goodput": 21.4, "oracle": 24.0, "learned": learned[2]}}
+
+    text = comparison([("ppo", Path("a"), Path("b"), ev([12.0, 39.0, 21.0])),
+                       ("accmodel", Path("c"), Path("d"), ev([13.2, 40.0, 23.0]))])
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| closed") or
+            line.startswith("| overall")}
+    assert "`goodput` 12.0 | 12.0 (1.000) | 13.2 (1.100) | 15.0" in rows["closed:1"]
+    assert "`ar` 40.0 | 39.0 (0.975) | 40.0 (1.000) | 41.0" in rows["closed:8"]
+    assert "`goodput` 21.4" in rows["overall"]
