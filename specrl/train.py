@@ -273,6 +273,14 @@ def learned_policy(run_dir: Path, env_cfg: Any, agent: AgentConfig, model: Any =
     from specrl.learned import SB3Policy
     from specrl.policies import make_policy
 
+    if agent.algo == "accmodel":
+        from specrl import accmodel
+        from specrl.policies.base import ActionTable
+
+        am, _ = accmodel.load(run_dir / "accmodel", ActionTable(env_cfg.k_choices, env_cfg.w_choices))
+        pol = accmodel.AcceptanceModelPolicy(policy_context(env_cfg), am)
+        pol.name = name
+        return pol
     if model is None:
         model = load_model(run_dir, agent)
     stats = load_stats(run_dir / "obs_stats.json") if agent.normalize_obs else None

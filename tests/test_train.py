@@ -249,6 +249,11 @@ def test_accmodel_preset_trains_evaluates_tracks_and_exports(tiny_env, tmp_path,
     assert summary["validation"]["learned"] > 0 and summary["validation"]["goodput"] > 0
     assert "learned" in summary["eval"]["overall"] and "oracle" in summary["eval"]["overall"]
     assert list((run / "wandb").glob("offline-run-*"))
+    from specrl.train import learned_policy, load_run_config
+
+    env_cfg, agent, _ = load_run_config(run)  # what benchmarks/generalisation.py loads
+    pol = learned_policy(run, env_cfg, agent)
+    assert pol.name == "learned" and type(pol).__name__ == "AcceptanceModelPolicy"
     from specrl.runtime import Controller
     from specrl.runtime.export import export_run
 
