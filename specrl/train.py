@@ -612,7 +612,8 @@ def _train_accmodel(env_cfg: Any, agent: AgentConfig, seed: int, run_dir: Path, 
     if tracker is not None:
         for h in info["history"]:
             tracker.log({f"accmodel/{k}": v for k, v in h.items() if k != "round"}, h["round"])
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "samples": info["history"][-1]["samples"],
+    samples = info["history"][-1]["samples"]  # env steps collected, over all envs and rounds
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "steps": samples, "steps_per_s": samples / max(train_s, 1e-9),
                                "train_seconds": train_s, "accmodel": info["history"]}
     pol = accmodel.AcceptanceModelPolicy(policy_context(env_cfg), model)
     val = quick_eval(env_cfg, agent, pol, ["goodput"], split="train", seed0=VALIDATION_SEED0)

@@ -155,16 +155,19 @@ def test_train_refuses_the_live_backend(tiny_env, tmp_path):
         train(tiny_env, "agents/ppo.yaml", TINY + ["backend=live"], run_dir=tmp_path / "l", progress=False)
 
 
-def test_cli_train_smoke(tiny_env, tmp_path):
+@pytest.mark.parametrize("agent", ["ppo", "accmodel"])
+def test_cli_train_smoke(agent, tiny_env, tmp_path):
     """The CLI end to end on a tiny budget (subprocess, as a user would run it)."""
     import subprocess
     import sys
 
-    args = [sys.executable, "-m", "specrl.cli", "train", "--env", tiny_env, "--agent", "agents/ppo.yaml",
-            "--run-dir", str(tmp_path / "cli"), *sum((["--set", s] for s in TINY + SMALL_BATCH["ppo"]), [])]
+    over = TINY + SMALL_BATCH["ppo"] if agent == "ppo" else ACC_TINY
+    args = [sys.executable, "-m", "specrl.cli", "train", "--env", tiny_env, "--agent", f"agents/{agent}.yaml",
+            "--run-dir", str(tmp_path / "cli"), *sum((["--set", s] for s in over), [])]
     out = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "overall goodput" in out.stdout and (tmp_path / "cli" / "eval" / "goodput_vs_load.png").exists()
+    assert "steps/s)" in out.stdout and "overall goodput" in out.stdout
+    assert (tmp_path / "cli" / "eval" / "goodput_vs_load.png").exists()
 
 
 def test_pretrain_clones_the_rule_before_rl(tiny_env, tmp_path):
