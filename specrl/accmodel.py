@@ -12,7 +12,7 @@ cost model, which is exact in replay and measured on the live engine).
 Why not model-free RL: the replay env knows, at every step, what *every* action would have
 committed (``action_outcomes()``, what the clairvoyant oracle uses). Regressing on those
 counterfactuals gives a full-information target per step instead of one sampled return per
-action, so the model learns from ~100k steps in seconds what PPO did not find in 1.5M. The
+action, so ~150k steps and two minutes of fitting find what PPO did not find in 1.5M steps. The
 features stay observable: the oracle's knowledge is only the *label*.
 
 Training (``train``) is DAgger-style: round 0 collects with ``goodput`` driving the env (with
