@@ -3,8 +3,8 @@
 1. prepare the replay env: record traces of the built-in prompts and profile the cost model
    (both cached: later runs skip them);
 2. train the agents (PPO, ``agents/ppo.yaml``: a behaviour clone of the ``goodput`` rule first,
-   then RL; and the learned acceptance model, ``agents/accmodel.yaml``) on the vectorised replay
-   env with the training prompts;
+   then 500k RL steps in the demo; and the learned acceptance model, ``agents/accmodel.yaml``)
+   on the vectorised replay env with the training prompts;
 3. evaluate each beside every baseline and the oracle on the held-out prompts over a load sweep
    (3 arrival seeds), writing the table and plots;
 4. export each to a runtime controller, and let it drive the real engine on two
@@ -17,6 +17,9 @@ import argparse
 import time
 from pathlib import Path
 
+DEMO_SB3_TIMESTEPS = 500_000
+"""SB3 agents train this many steps in the demo (their presets: 1.5M), see ``demo_overrides``."""
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", default="envs/replay.yaml")
@@ -27,6 +30,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--track", action="store_true", help="log the run to wandb (offline unless logged in)")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--live-prompts", type=int, default=2, help="held-out prompts for the live check (0 = skip)")
+    p.add_argument("--sb3-timesteps", type=int, default=DEMO_SB3_TIMESTEPS,
+                   help="training steps for SB3 agents in the demo (0 = the preset's own total_timesteps)")
 
 
 def _resolve(path: str) -> str:
@@ -50,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     for agent in agents:
         print(f"[2/4] training {agent} and [3/4] evaluating it on held-out prompts", flush=True)
         run_dir = Path(args.run_dir) / Path(agent).stem if args.run_dir and len(agents) > 1 else args.run_dir
-        summary = train(env, agent, args.set, args.seed, args.track, Path(run_dir) if run_dir else None)
+        summary = train(env, agent, demo_overrides(agent, args.set, args.sb3_timesteps), args.seed, args.track,
+                        Path(run_dir) if run_dir else None)
         run_dir = Path(summary["run_dir"])
         print(f"\n[4/4] exporting {agent} as a controller", flush=True)
         out = export_run(run_dir, run_dir / "export")
@@ -70,6 +76,20 @@ def run(args: argparse.Namespace) -> int:
               f"  controller: {out}")
     print(f"\ntotal time: {(time.perf_counter() - t0) / 60:.1f} min")
     return 0
+
+
+def demo_overrides(agent: str, overrides: list[str], sb3_timesteps: int) -> list[str]:
+    """The demo's budget: SB3 agents train ``sb3_timesteps`` steps unless the user set
+    ``agent.total_timesteps`` (the demo must fit in 20 minutes on 2 cores with an empty cache;
+    PPO's validations peaked at 250k of 1.5M steps in the README's runs, and ``keep: best``
+    keeps the best)."""
+    from specrl.train import load_agent_config
+
+    if not sb3_timesteps or any(o.startswith("agent.total_timesteps=") for o in overrides):
+        return list(overrides)
+    if load_agent_config(agent).algo == "accmodel":
+        return list(overrides)
+    return [*overrides, f"agent.total_timesteps={sb3_timesteps}"]
 
 
 def comparison(done: list[tuple[str, Path, Path, dict]]) -> str:

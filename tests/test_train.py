@@ -289,3 +289,12 @@ def test_demo_comparison_puts_agents_beside_the_best_baseline_per_load():
     assert "`goodput` 12.0 | 12.0 (1.000) | 13.2 (1.100) | 15.0" in rows["closed:1"]
     assert "`ar` 40.0 | 39.0 (0.975) | 40.0 (1.000) | 41.0" in rows["closed:8"]
     assert "`goodput` 21.4" in rows["overall"]
+
+
+def test_demo_budget_applies_to_sb3_agents_only_and_yields_to_the_user():
+    from specrl.demo import demo_overrides
+
+    assert demo_overrides("agents/ppo.yaml", ["seed=1"], 500_000) == ["seed=1", "agent.total_timesteps=500000"]
+    assert demo_overrides("agents/accmodel.yaml", [], 500_000) == []
+    assert demo_overrides("agents/ppo.yaml", ["agent.total_timesteps=64"], 500_000) == ["agent.total_timesteps=64"]
+    assert demo_overrides("agents/ppo.yaml", [], 0) == []
