@@ -221,12 +221,13 @@ def markdown_table(agg: dict, labels: list[str], policies: list[str]) -> str:
             if m is None:
                 continue
             g, gci = m["goodput"]
-            sp = g / ar[lab]["goodput"][0] if lab in ar else float("nan")
-            frac = g / oracle[lab]["goodput"][0] if lab in oracle else float("nan")
+            # "-" where the reference policy was not evaluated (not "nanx")
+            sp = f"{g / ar[lab]['goodput'][0]:.2f}x" if lab in ar else "-"
+            frac = f"{g / oracle[lab]['goodput'][0]:.2f}" if lab in oracle else "-"
             lines.append(
-                f"| {lab} | {pol} | {g:.1f} ± {gci:.1f} | {sp:.2f}x | {m['accept_len'][0]:.2f} | "
+                f"| {lab} | {pol} | {g:.1f} ± {gci:.1f} | {sp} | {m['accept_len'][0]:.2f} | "
                 f"{m['latency_p50'][0]:.2f} / {m['latency_p99'][0]:.2f} | "
-                f"{1000 * m['tpot_p50'][0]:.0f} / {1000 * m['tpot_p99'][0]:.0f} | {frac:.2f} |"
+                f"{1000 * m['tpot_p50'][0]:.0f} / {1000 * m['tpot_p99'][0]:.0f} | {frac} |"
             )
     return "\n".join(lines)
 

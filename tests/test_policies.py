@@ -220,3 +220,17 @@ def test_cli_policy_list_keeps_commas_inside_specs():
 
     assert _split_policies("ar, static:4,1,goodput:1=4,8=16,static:3,goodput:8,oracle") == [
         "ar", "static:4,1", "goodput:1=4,8=16", "static:3", "goodput:8", "oracle"]
+
+
+def test_eval_table_marks_missing_references_instead_of_nan():
+    from specrl.evaluate import markdown_table
+
+    def m(g):
+        return {"goodput": (g, 0.5), "accept_len": (0.3,), "latency_p50": (1.0,), "latency_p99": (2.0,),
+                "tpot_p50": (0.05,), "tpot_p99": (0.07,)}
+
+    alone = markdown_table({"goodput": {"closed:1": m(20.0)}}, ["closed:1"], ["goodput"])
+    assert "nan" not in alone and "| 20.0 ± 0.5 | - |" in alone and alone.endswith("| - |")
+    both = markdown_table({"ar": {"closed:1": m(10.0)}, "goodput": {"closed:1": m(20.0)},
+                           "oracle": {"closed:1": m(25.0)}}, ["closed:1"], ["ar", "goodput", "oracle"])
+    assert "| closed:1 | goodput | 20.0 ± 0.5 | 2.00x |" in both and "| 0.80 |" in both
