@@ -28,11 +28,11 @@ NOT_DEFERRABLE = ("oracle",)
 def check_rule(rule: str) -> None:
     """Refuse unknown rules and rules that cannot decide from the features alone."""
     from specrl.errors import unknown_name
-    from specrl.policies import REGISTRY
+    from specrl.policies import REGISTRY, SPEC_FORMS
 
     name = rule.partition(":")[0]
     if name not in REGISTRY:
-        raise unknown_name("policy", rule, [*REGISTRY, "static:K,W", "controller:DIR"])
+        raise unknown_name("policy", rule, [*REGISTRY, *SPEC_FORMS])
     if name in NOT_DEFERRABLE:
         raise ConfigError(f"defer={rule!r}: the oracle decides from the replay's future outcomes, which a deployed "
                           "policy does not have. Allowed: a rule that decides from the features (goodput, sglang-ema, "

@@ -414,5 +414,5 @@ def _split_policies(text: str) -> list[str]:
         elif out and out[-1].startswith("goodput:") and "=" in out[-1] and re.fullmatch(r"\d+=\d+", part):
             out[-1] += "," + part
         else:
-            out.append(part.strip())
+            out.append(part)
     return [p for p in out if p]

@@ -274,11 +274,9 @@ def learned_policy(run_dir: Path, env_cfg: Any, agent: AgentConfig, model: Any =
     from specrl.policies import make_policy
 
     if agent.algo == "accmodel":
-        from specrl import accmodel
-        from specrl.policies.base import ActionTable
+        from specrl.accmodel import make_policy as make_accmodel
 
-        am, _ = accmodel.load(run_dir / "accmodel", ActionTable(env_cfg.k_choices, env_cfg.w_choices))
-        pol = accmodel.AcceptanceModelPolicy(policy_context(env_cfg), am)
+        pol = make_accmodel(policy_context(env_cfg), str(run_dir / "accmodel"))
         pol.name = name
         return pol
     if model is None:

@@ -55,6 +55,9 @@ def _controller(ctx: PolicyContext, arg: str) -> Any:
     return ControllerPolicy(ctx, arg)
 
 
+SPEC_FORMS = ("static:K,W", "goodput:P", "goodput:B=P,...", "controller:DIR", "accmodel:DIR")
+"""The argument-taking names, as error messages list them beside the registry's."""
+
 REGISTRY: dict[str, Callable[[PolicyContext, str], Any]] = {
     "ar": lambda ctx, arg: _static(ctx, "0"),
     "static": _static,
@@ -75,11 +78,11 @@ def make_policy(spec: str, ctx: PolicyContext | None = None) -> Any:
     ctx = ctx or PolicyContext()
     name, _, arg = spec.partition(":")
     if name not in REGISTRY:
-        raise unknown_name("policy", spec, [*REGISTRY, "static:K,W", "goodput:P", "goodput:B=P,...", "controller:DIR", "accmodel:DIR"])
+        raise unknown_name("policy", spec, [*REGISTRY, *SPEC_FORMS])
     pol = REGISTRY[name](ctx, arg)
     if name == "hf-constant" or (name == "goodput" and arg):
         pol.name = spec  # tables tell variants apart
     return pol
 
 
-__all__ = ["ActionTable", "BASELINES", "BasePolicy", "Policy", "PolicyContext", "REGISTRY", "make_policy"]
+__all__ = ["ActionTable", "BASELINES", "SPEC_FORMS", "BasePolicy", "Policy", "PolicyContext", "REGISTRY", "make_policy"]

@@ -106,7 +106,6 @@ class GoodputArgmax(BasePolicy):
         self.actions = self.table.all()
         self._probe_from = np.array(sorted(schedule))  # (S,) batch sizes where a period starts
         self._probe_period = np.array([schedule[b] for b in self._probe_from])  # (S,)
-        self.probe_every = int(self._probe_period[0])
         self._precompute()
 
     def probe_period(self, batch: int) -> int:
@@ -136,23 +135,25 @@ class GoodputArgmax(BasePolicy):
 
     def step_times(self, features: np.ndarray) -> np.ndarray:
         """(A,) step time (s) of every action at the current batch size and context (cost model)."""
-        batch = max(1, int(round(float(features[INDEX["batch_size"]]))))
         n_act = len(self.actions)
         return self.ctx.cost_model.step_time_batch(
-            self.ctx.drafter, self._drafted, np.full(n_act, batch), self._tokens, self._levels,
+            self.ctx.drafter, self._drafted, np.full(n_act, _batch(features)), self._tokens, self._levels,
             np.full(n_act, float(features[INDEX["mean_context"]])), np.zeros(n_act), np.zeros(n_act))
 
     def scores(self, features: np.ndarray) -> np.ndarray:
         """(A,) expected goodput (tokens/s) of every action of the table."""
-        batch = max(1, int(round(float(features[INDEX["batch_size"]]))))
-        return batch * (1.0 + self.expected_accepted_per_row(features)) / self.step_times(features)
+        return _batch(features) * (1.0 + self.expected_accepted_per_row(features)) / self.step_times(features)
 
     def decide(self, features: np.ndarray) -> tuple[int, int]:
         k, w = self.actions[int(np.argmax(self.scores(features)))]
-        batch = max(1, int(round(float(features[INDEX["batch_size"]]))))
-        if k == 0 and features[INDEX["since_draft"]] >= self.probe_period(batch):
+        if k == 0 and features[INDEX["since_draft"]] >= self.probe_period(_batch(features)):
             k, w = min((a for a in self.actions if a[0] > 0), key=lambda a: a[0] * a[1], default=(0, 1))
         return k, w
+
+
+def _batch(features: np.ndarray) -> int:
+    """The running batch size in the features, as the cost model's integer (at least 1)."""
+    return max(1, int(round(float(features[INDEX["batch_size"]]))))
 
 
 def parse_probe_spec(arg: str) -> dict[int, int]:
