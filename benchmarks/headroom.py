@@ -107,7 +107,7 @@ def run_predictor(cfg, loads, seeds: list[int], pred: np.ndarray) -> dict[str, f
             left = vec.limit - vec.pos
             score = np.zeros((vec.num_envs, n_act))
             for a in range(n_act):
-                dt = vec._outcome(np.full(vec.num_envs, a))["dt"]
+                dt = vec._outcome(np.full(vec.num_envs, a), prefill=False)["dt"]
                 tok = np.where(valid, np.minimum(pred[rows, a] + 1.0, left), 0.0).sum(1)
                 score[:, a] = tok / np.maximum(dt, 1e-12)
             best = score.argmax(1)
@@ -129,7 +129,7 @@ class RaggedVec(SpecReplayVecEnv):
 
     row_actions: np.ndarray | None = None  # (N, S) action index per row, used once
 
-    def _outcome(self, a_idx: np.ndarray) -> dict[str, np.ndarray]:
+    def _outcome(self, a_idx: np.ndarray, prefill: bool = True) -> dict[str, np.ndarray]:
         tb, n_act = self.tables, len(self.actions_kw)
         a_row = self.row_actions if self.row_actions is not None else np.broadcast_to(a_idx[:, None], self.active.shape)
         self.row_actions = None
@@ -144,7 +144,7 @@ class RaggedVec(SpecReplayVecEnv):
         mean_tok = row_tokens.sum(1) / np.maximum(batch, 1)
         ctx = np.where(valid, self.plen + self.pos, 0).astype(np.float64)
         ctx_mean = ctx.sum(1) / np.maximum(batch, 1)
-        newv = self.new & valid
+        newv = self.new & valid if prefill else np.zeros_like(valid)
         drafted = (self.actions_kw[a_row, 0] > 0).any(1)  # lookups are paid even when they find nothing
         lo, frac = np.floor(mean_tok), mean_tok - np.floor(mean_tok)
         levels = np.zeros((self.num_envs, self.depth_masks.shape[1]))  # n-gram drafter: unused
@@ -177,14 +177,14 @@ def row_choice(vec: RaggedVec, value: np.ndarray, iters: int = 4) -> np.ndarray:
     batch = np.maximum(valid.sum(1), 1)
     for a in range(len(vec.actions_kw)):  # the batch-level candidates
         vec.row_actions = np.full(valid.shape, a)
-        dt = vec._outcome(np.zeros(n_env, np.int64))["dt"]
+        dt = vec._outcome(np.zeros(n_env, np.int64), prefill=False)["dt"]
         g = np.where(valid, value[..., a], 0.0).sum(1) / np.maximum(dt, 1e-12)
         better = g > best_val
         best_val = np.where(better, g, best_val)
         best[better] = a
     for _ in range(iters + 1):
         vec.row_actions = choice
-        dt = vec._outcome(np.zeros(n_env, np.int64))["dt"]
+        dt = vec._outcome(np.zeros(n_env, np.int64), prefill=False)["dt"]
         tot = np.where(valid, np.take_along_axis(value, choice[..., None], 2)[..., 0], 0.0).sum(1)
         g = tot / np.maximum(dt, 1e-12)
         better = g > best_val
@@ -252,7 +252,7 @@ def ragged_section(test_cfg, loads, seeds: list[int], preds: dict[str, np.ndarra
         n_act = len(vec.actions_kw)
         score = np.zeros((vec.num_envs, n_act))
         for a in range(n_act):
-            o = vec._outcome(np.full(vec.num_envs, a))
+            o = vec._outcome(np.full(vec.num_envs, a), prefill=False)
             score[:, a] = o["committed"].sum(1) / np.maximum(o["dt"], 1e-12)
         return score.argmax(1)
 

@@ -123,7 +123,7 @@ def run_replay(cfg: Any, policy_spec: str, loads: list[Load], seeds: list[int], 
         is_oracle = getattr(pols[0], "name", "") == "oracle"
         while len(finished) < len(pts):
             if is_oracle:
-                acts, tok, sec = vec.action_outcomes()
+                acts, tok, sec = vec.action_outcomes(prefill=False)
                 for i, p in enumerate(pols):
                     p.set_outcomes(acts, tok[i], sec[i])
             decided = [p.decide(obs[i]) for i, p in enumerate(pols)]

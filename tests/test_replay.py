@@ -312,3 +312,73 @@ def test_reward_per_row_divides_by_the_batch(tiny_traces, tiny_pair_dirs, isolat
         batches |= set(b.tolist())
         np.testing.assert_allclose(r_row, r_plain / b, rtol=1e-5, atol=1e-6)
     assert len(batches) > 1  # the check saw more than one batch size
+
+
+def test_action_outcomes_leave_out_the_newcomers_prefill(tiny_traces, tiny_pair_dirs, isolated_cache):
+    """``prefill=False`` (what the oracle ranks by): the seconds drop by the same prefill cost for
+    every action in steps that admit requests, and are unchanged in the other steps; the
+    committed tokens never change. Both kinds of step are seen."""
+    from specrl.envs.vector import SpecReplayVecEnv
+
+    _, prompts, tr = tiny_traces
+    cfg = replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], prompts=_write(prompts, isolated_cache), horizon_s=3.0,
+                     workload={"arrival": "closed", "concurrency": [1, 3, 6], "max_new_tokens": 40})
+    vec = SpecReplayVecEnv(cfg, 3)
+    vec.seed(5)
+    vec.reset()
+    rng = np.random.default_rng(1)
+    seen = {True: 0, False: 0}
+    for _ in range(60):
+        acts, tok, sec = vec.action_outcomes()
+        acts0, tok0, sec0 = vec.action_outcomes(prefill=False)
+        assert acts0 == acts
+        np.testing.assert_array_equal(tok0, tok)
+        gap = sec - sec0  # (N, A)
+        admitting = (vec.new & vec.active).any(1)  # (N,)
+        for i in range(vec.num_envs):
+            seen[bool(admitting[i])] += 1
+            if admitting[i]:
+                assert gap[i].min() > 0 and np.ptp(gap[i]) == pytest.approx(0.0, abs=1e-12)
+            else:
+                np.testing.assert_array_equal(gap[i], 0.0)
+        vec.step_async(rng.integers(0, [len(K), len(W)], size=(3, 2)))
+        vec.step_wait()
+    assert seen[True] > 0 and seen[False] > 0
+
+
+def test_evaluation_ranks_the_oracle_by_decode_seconds(tiny_traces, tiny_pair_dirs, isolated_cache):
+    """The evaluation harness feeds the oracle ``action_outcomes(prefill=False)``, and its choices
+    are the argmax of tokens / those seconds."""
+    from specrl.envs.config import load_env_config, policy_context
+    from specrl.envs.vector import SpecReplayVecEnv
+    from specrl.evaluate import parse_loads, run_replay
+    from specrl.policies import make_policy
+
+    _, prompts, tr = tiny_traces
+    cfg = load_env_config(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], prompts=_write(prompts, isolated_cache),
+                                     horizon_s=2.0))
+    calls: list[bool] = []
+
+    class Spy(SpecReplayVecEnv):
+        def action_outcomes(self, prefill: bool = True):
+            calls.append(prefill)
+            return super().action_outcomes(prefill)
+
+    picks: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    ctx = policy_context(cfg)
+    oracle_cls = type(make_policy("oracle", ctx))
+
+    class SpyOracle(oracle_cls):
+        def decide(self, features):
+            actions, tokens, seconds = self._outcomes
+            want = actions[int(np.argmax(tokens / seconds))]
+            got = super().decide(features)
+            picks.append((want, got))
+            return got
+
+    def make():
+        return SpyOracle(ctx)
+
+    eps = run_replay(cfg, "oracle", parse_loads(["closed:4"]), [0, 1], make, make_vec=lambda c, n: Spy(c, n))
+    assert len(eps) == 2 and calls and not any(calls)
+    assert picks and all(want == got for want, got in picks)

@@ -243,8 +243,9 @@ class SpecReplayVecEnv(VecEnv):
             update_draft_batch(sub, act, self.tables.stats[np.where(act, rows, 0)])
         self.obs[idx] = sub
 
-    def _outcome(self, a_idx: np.ndarray) -> dict[str, np.ndarray]:
-        """What one step with action indices ``a_idx`` (N,) does, without changing state."""
+    def _outcome(self, a_idx: np.ndarray, prefill: bool = True) -> dict[str, np.ndarray]:
+        """What one step with action indices ``a_idx`` (N,) does, without changing state.
+        ``prefill=False``: ``dt`` leaves out the newcomers' prefill (the same for every action)."""
         cfg, tb = self.cfg, self.tables
         k = self.actions_kw[a_idx, 0]
         valid = self.active.copy()  # (N, S)
@@ -259,21 +260,24 @@ class SpecReplayVecEnv(VecEnv):
         batch = valid.sum(1)
         ctx = np.where(valid, self.plen + self.pos, 0).astype(np.float64)
         ctx_mean = ctx.sum(1) / np.maximum(batch, 1)
-        newv = self.new & valid
+        newv = self.new & valid if prefill else np.zeros_like(valid)
         dt = self.cost.step_time_batch(cfg.drafter, k > 0, batch, tree_tokens, levels, ctx_mean, newv.sum(1),
                                        np.where(newv, self.plen, 0).max(1))
         return {"valid": valid, "rows": rows, "flat": flat, "acc": np.minimum(acc, committed),
                 "committed": committed, "tree_tokens": tree_tokens, "batch": batch, "dt": dt, "ctx_mean": ctx_mean}
 
-    def action_outcomes(self) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
-        """(actions, tokens (N, A), seconds (N, A)): what every action would do now (for the oracle)."""
+    def action_outcomes(self, prefill: bool = True) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
+        """(actions, tokens (N, A), seconds (N, A)): what every action would do now (for the oracle).
+
+        ``prefill=False`` leaves the newcomers' prefill out of the seconds: it is paid whatever
+        the action, so it is not part of the choice (see ``specrl.policies.oracle``)."""
         acts = [tuple(map(int, kw)) for kw in self.actions_kw]
         uniq = sorted(set(acts))
         tokens = np.zeros((self.num_envs, len(uniq)))
         secs = np.zeros((self.num_envs, len(uniq)))
         for j, kw in enumerate(uniq):
             a = acts.index(kw)
-            out = self._outcome(np.full(self.num_envs, a))
+            out = self._outcome(np.full(self.num_envs, a), prefill)
             tokens[:, j] = out["committed"].sum(1)
             secs[:, j] = out["dt"]
         return uniq, tokens, secs
