@@ -23,8 +23,9 @@ from specrl.errors import ConfigError, unknown_name
 from specrl.evaluate import EVAL_HORIZON_S
 
 ALGOS = ("ppo", "a2c", "dqn", "accmodel")
-"""SB3 algorithms, and ``accmodel``: a learned acceptance model fit on the replay env's
-counterfactual outcomes (``specrl.accmodel``; its ``hyperparams`` are ``accmodel.Recipe`` fields)."""
+"""SB3 algorithms, and ``accmodel``: a network fit on the replay env's counterfactual outcomes,
+either an acceptance model under goodput's argmax or a direct decision network (``specrl.accmodel``,
+``objective``; its ``hyperparams`` are ``accmodel.Recipe`` fields)."""
 SCHEDULED = ("learning_rate", "clip_range")
 """Hyperparameters that may be a linear schedule, written ``lin_<start>`` as in rl-zoo: the value
 falls linearly from ``start`` at the first step to 0 at ``total_timesteps``."""
@@ -613,10 +614,10 @@ def _train_accmodel(env_cfg: Any, agent: AgentConfig, seed: int, run_dir: Path, 
     samples = info["history"][-1]["samples"]  # env steps collected, over all envs and rounds
     summary: dict[str, Any] = {"run_dir": str(run_dir), "steps": samples, "steps_per_s": samples / max(train_s, 1e-9),
                                "train_seconds": train_s, "accmodel": info["history"]}
-    pol = accmodel.AcceptanceModelPolicy(policy_context(env_cfg), model)
+    pol = accmodel.policy_for(policy_context(env_cfg), model, info["objective"])
     val = quick_eval(env_cfg, agent, pol, ["goodput"], split="train", seed0=VALIDATION_SEED0)
     summary["validation"] = {"learned": val["overall"]["learned"], "goodput": val["overall"]["goodput"]}
-    print(f"accmodel: validation {val['overall']['learned']:.2f} tokens/s vs goodput {val['overall']['goodput']:.2f} "
+    print(f"accmodel ({info['objective']}): validation {val['overall']['learned']:.2f} tokens/s vs goodput {val['overall']['goodput']:.2f} "
           f"({val['overall']['learned'] / val['overall']['goodput']:.3f}x), {train_s:.0f} s of training", flush=True)
     if final_eval:
         _final_eval(run_dir, env_cfg, agent, pol, tracker, summary)

@@ -58,6 +58,35 @@ def test_fit_learns_a_feature_dependent_target_and_numpy_matches():
     np.testing.assert_allclose(model(obs[0]), pred[0], rtol=1e-6)  # one row or a batch alike
 
 
+def test_decision_fit_learns_the_feature_dependent_best_action():
+    """objective 'decision': the best action switches with a feature; the fitted argmax follows it
+    (held-back regret far below the best constant action's), scores are not clipped at 0."""
+    rng = np.random.default_rng(0)
+    obs = rng.normal(size=(4000, NUM_FEATURES)).astype(np.float32)
+    m = obs[:, INDEX["match_len"]] = rng.uniform(0, 4, 4000)
+    good = np.ones((4000, len(ACTIONS)), np.float32)
+    good[:, ACTIONS.index((0, 1))] = 2.0 - (m > 2)  # k = 0 best without a long match
+    good[:, ACTIONS.index((4, 1))] = 1.0 + 1.5 * (m > 2)  # (4, 1) best with one
+    recipe = accmodel.Recipe(objective="decision", hidden=(32,), epochs=20, batch_size=64)
+    with pytest.raises(ValueError, match="needs the per-action goodput"):
+        accmodel.fit(obs, good, recipe, seed=0)
+    model, stats = accmodel.fit(obs, np.zeros_like(good), recipe, seed=0, goodput=good)
+    assert stats["regret"] < 0.1 * stats["regret_constant"] and stats["regret_constant"] > 0.1
+    pol = accmodel.DecisionPolicy(CTX, model)
+    lo, hi = feats(), feats()
+    lo[INDEX["match_len"]], hi[INDEX["match_len"]] = 0.5, 3.5
+    assert pol.decide(lo) == (0, 1) and pol.decide(hi) == (4, 1)
+    assert not model.clip and (model(obs[:200]) < 0).any()  # logits, not accepted tokens
+
+
+def test_recipe_rejects_an_unknown_objective():
+    from types import SimpleNamespace
+
+    with pytest.raises(ConfigError, match="objective='greedy' is not one of .*Fix: objective: acceptance"):
+        accmodel.recipe_from(SimpleNamespace(hyperparams={"objective": "greedy"}, n_envs=4))
+    assert accmodel.recipe_from(SimpleNamespace(hyperparams={"objective": "decision"}, n_envs=4)).objective == "decision"
+
+
 def test_save_load_roundtrip_through_the_registry(tmp_path):
     m = constant_model([0.0, 0.5, 0.2, 1.5, 0.9, 2.8, 1.0, 3.5, 1.0])
     d = accmodel.save(m, tmp_path / "am", TABLE, {"recipe": {}, "seed": 0})
@@ -77,19 +106,29 @@ def test_save_load_roundtrip_through_the_registry(tmp_path):
         make_policy(f"accmodel:{tmp_path / 'missing'}", CTX)
     with pytest.raises(ConfigError, match="needs a directory"):
         make_policy("accmodel:", CTX)
+    # a decision network: negative scores survive the round trip, the registry builds its policy
+    w = np.zeros((len(ACTIONS), NUM_FEATURES))
+    logits = -np.arange(len(ACTIONS), 0, -1, dtype=float)  # all < 0, the last action best
+    dm = accmodel.AcceptanceModel([(w, logits)], np.zeros(NUM_FEATURES), np.ones(NUM_FEATURES), clip=False)
+    d2 = accmodel.save(dm, tmp_path / "dec", TABLE, {"recipe": {}, "seed": 0, "objective": "decision"})
+    pol = make_policy(f"accmodel:{d2}", CTX)
+    assert isinstance(pol, accmodel.DecisionPolicy) and pol.decide(feats()) == ACTIONS[-1]
+    np.testing.assert_allclose(pol.scores(feats()), logits)
 
 
-def test_tiny_training_run_end_to_end(tiny_replay_env, tmp_path):
+@pytest.mark.parametrize("objective", ["acceptance", "decision"])
+def test_tiny_training_run_end_to_end(tiny_replay_env, tmp_path, objective):
     from specrl.envs.config import load_env_config, policy_context
     from specrl.evaluate import evaluate, parse_loads
     from specrl.train import prepare
 
     cfg = load_env_config(tiny_replay_env)
     prepare(cfg, progress=False)
-    recipe = accmodel.Recipe(steps=6, rounds=1, round_steps=4, n_envs=4, hidden=(16,), epochs=2)
+    recipe = accmodel.Recipe(steps=6, rounds=1, round_steps=4, n_envs=4, hidden=(16,), epochs=2, objective=objective)
     logs: list[str] = []
     model, info = accmodel.train(cfg, recipe, seed=0, progress=False, log=logs.append)
     assert [h["samples"] for h in info["history"]] == [24, 40] and len(logs) == 2
+    assert ("regret" in info["history"][-1]) == (objective == "decision") and info["objective"] == objective
     d = accmodel.save(model, tmp_path / "am", ActionTable(cfg.k_choices, cfg.w_choices), info)
     res = evaluate(replace(cfg, horizon_s=2.0), ["ar", f"accmodel:{d}"], parse_loads(["closed:1"]), [0], None,
                    progress=False)
@@ -102,6 +141,7 @@ def test_tiny_training_run_end_to_end(tiny_replay_env, tmp_path):
 
     art = export_rule(f"accmodel:{d}", cfg, tmp_path / "ctl")
     pol = make_policy(f"accmodel:{d}", policy_context(cfg))
+    assert isinstance(pol, accmodel.DecisionPolicy) == (objective == "decision")
     shutil.rmtree(d)
     ctl = Controller.load(shutil.move(str(art), str(tmp_path / "moved")))
     rng = np.random.default_rng(1)

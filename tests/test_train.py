@@ -155,7 +155,7 @@ def test_train_refuses_the_live_backend(tiny_env, tmp_path):
         train(tiny_env, "agents/ppo.yaml", TINY + ["backend=live"], run_dir=tmp_path / "l", progress=False)
 
 
-@pytest.mark.parametrize("agent", ["ppo", "accmodel"])
+@pytest.mark.parametrize("agent", ["ppo", "accmodel", "decision"])
 def test_cli_train_smoke(agent, tiny_env, tmp_path):
     """The CLI end to end on a tiny budget (subprocess, as a user would run it)."""
     import subprocess
