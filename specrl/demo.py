@@ -3,7 +3,8 @@
 1. prepare the replay env: record traces of the built-in prompts and profile the cost model
    (both cached: later runs skip them);
 2. train the agents (PPO, ``agents/ppo.yaml``: a behaviour clone of the ``goodput`` rule first,
-   then 500k RL steps in the demo; and the learned acceptance model, ``agents/accmodel.yaml``)
+   then 500k RL steps in the demo; and the decision network fit on replay counterfactuals,
+   ``agents/decision.yaml``; ``--agent agents/accmodel.yaml`` trains the acceptance model)
    on the vectorised replay env with the training prompts;
 3. evaluate each beside every baseline and the oracle on the held-out prompts over a load sweep
    (3 arrival seeds), writing the table and plots;
@@ -23,7 +24,7 @@ DEMO_SB3_TIMESTEPS = 500_000
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", default="envs/replay.yaml")
-    p.add_argument("--agent", default="agents/ppo.yaml,agents/accmodel.yaml",
+    p.add_argument("--agent", default="agents/ppo.yaml,agents/decision.yaml",
                    help="agent preset(s), comma-separated: each is trained, evaluated, exported")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="env or agent.* overrides")
     p.add_argument("--seed", type=int, default=0)
