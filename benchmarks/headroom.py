@@ -1,8 +1,8 @@
 """How much of the oracle's lead over `goodput` could a better acceptance predictor win?
 
-The learned policy sits level with the `goodput` rule in replay (README); the clairvoyant
-oracle leads it by a few percent. `goodput` plans with the same cost model that charges the
-time, so its only weakness is its acceptance estimate: per-depth EMAs of the batch, scaled by
+The clairvoyant oracle leads the `goodput` rule by several percent in replay (README).
+`goodput` plans with the same cost model that charges the time, so its only weakness is its
+acceptance estimate: per-depth EMAs of the batch, scaled by
 the fraction of rows with an n-gram match. This benchmark replaces that estimate with a
 per-row predictor fitted on the *training* prompts' traces and plugs it into the same
 myopic argmax, on held-out prompts:
@@ -13,7 +13,8 @@ myopic argmax, on held-out prompts:
   lookup predicted: the "earlier success rate" of the match, observable from history);
 
 E[committed tokens] of an action = sum over rows of min(E[accepted] + 1, tokens left), step
-time from the cost model with the drafted tree the rows actually propose (observable: the
+time from the cost model (decode work only: the newcomers' prefill is the same for every action,
+as for the oracle) with the drafted tree the rows actually propose (observable: the
 n-gram drafter knows what it drafted before the verify). If even these per-row predictors
 stay near `goodput`, the gap to the oracle is unpredictable noise for a batch-level (k, w)
 action, and no observation feature will close it.
