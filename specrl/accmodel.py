@@ -289,7 +289,9 @@ def train(env_cfg: Any, recipe: Recipe | None = None, seed: int = 0, progress: b
         model, stats = fit(obs, y, recipe, seed + r, g, progress, f"accmodel round {r} (fit)")
         history.append({"round": r, **stats, "seconds": time.perf_counter() - t0})
         log(f"accmodel round {r}: {_fit_line(stats)}")
-    return model, {"recipe": asdict(recipe), "seed": seed, "objective": recipe.objective, "history": history}
+    feature_range = {"low": obs.min(0).tolist(), "high": obs.max(0).tolist()}  # for the controller's guard
+    return model, {"recipe": asdict(recipe), "seed": seed, "objective": recipe.objective, "history": history,
+                   "feature_range": feature_range}
 
 
 # ----- artifacts ---------------------------------------------------------------------------------

@@ -150,6 +150,13 @@ def test_tiny_training_run_end_to_end(tiny_replay_env, tmp_path, objective):
         f[INDEX["draft_top1"]], f[INDEX["match_len"]] = rng.uniform(), rng.uniform(0, 4)
         assert ctl.decide(f) == pol.decide(f)
     assert ctl.fallbacks == 0
+    # the guard: the training feature range travels with the model; outside it the fallback answers
+    assert ctl.low is not None and ctl.fallback_name == "goodput"
+    rng_lo, rng_hi = np.asarray(info["feature_range"]["low"]), np.asarray(info["feature_range"]["high"])
+    assert (ctl.low <= rng_lo).all() and (ctl.high >= rng_hi).all() and (rng_lo <= rng_hi).all()
+    far = feats(2)
+    far[INDEX["max_context"]] = 1e7
+    assert ctl.decide(far) == ctl.fallback.decide(far) and ctl.fallbacks == 1
     with pytest.raises(ConfigError, match="prompt_split 'test'"):
         accmodel.train(replace(cfg, prompt_split="test"), recipe, seed=0, progress=False)
     assert policy_context(cfg).cost_model is not None

@@ -8,7 +8,8 @@ Artifact layout (directory):
   behind the k head's extra choice, see ``specrl.defer``), the deterministic action rule, the
   guard (training feature range, fallback rule), provenance.
 * ``policy.safetensors``: the weights (``mlp`` only). A ``rule`` artifact of a learned acceptance
-  model (``accmodel:.``) carries ``accmodel.json`` + ``accmodel.safetensors`` beside it. safetensors holds raw tensors: loading it
+  model or decision network (``accmodel:.``) carries ``accmodel.json`` + ``accmodel.safetensors``
+  beside it, and the guard of its training range like an ``mlp``. safetensors holds raw tensors: loading it
   cannot execute code, unlike a pickle.
 
 The guard: a feature vector with NaN/inf or outside the training range (widened by ``margin``)
@@ -143,11 +144,13 @@ class Controller:
             x = raw = np.asarray(features, np.float32).reshape(-1)
             if x.shape[0] != NUM_FEATURES:
                 raise ValueError(f"expected {NUM_FEATURES} features (schema v{SCHEMA_VERSION}), got {x.shape[0]}")
-            if self.rule is not None:
+            if self.rule is not None and self.low is None:  # a hand-written rule: no training range
                 return self.rule.decide(x)
             if not self.in_range(x):
                 self.fallbacks += 1
                 return self.fallback.decide(np.nan_to_num(x))
+            if self.rule is not None:  # a learned rule (accmodel:.) inside its training range
+                return self.rule.decide(x)
             if self.mean is not None:
                 x = np.clip((x - self.mean) * self.inv_std, -self.clip, self.clip)
             if self.frame_stack > 1:

@@ -95,9 +95,7 @@ def export_run(run_dir: Path, out: Path, fallback: str | None = None, margin: fl
     low = high = None
     if rng_path.is_file():
         r = json.loads(rng_path.read_text())
-        lo, hi = np.asarray(r["low"], float), np.asarray(r["high"], float)
-        span = np.maximum(hi - lo, 1.0)
-        low, high = (lo - margin * span).tolist(), (hi + margin * span).tolist()
+        low, high = guard_range(r["low"], r["high"], margin)
     try:
         cost = load_cost_model(env_cfg).to_json()
     except Exception:  # noqa: BLE001 - a controller without a cost model falls back to `ar`
@@ -122,8 +120,19 @@ def export_run(run_dir: Path, out: Path, fallback: str | None = None, margin: fl
     return write_artifact(out, meta, tensors)
 
 
-def export_rule(rule: str, env_cfg: Any, out: Path) -> Path:
-    """Any baseline rule as an artifact, so a runtime uses one interface for everything."""
+def guard_range(low: Any, high: Any, margin: float) -> tuple[list[float], list[float]]:
+    """The guard's feature range: the training range widened by ``margin`` x its span (span >= 1)."""
+    lo, hi = np.asarray(low, float), np.asarray(high, float)
+    span = np.maximum(hi - lo, 1.0)
+    return (lo - margin * span).tolist(), (hi + margin * span).tolist()
+
+
+def export_rule(rule: str, env_cfg: Any, out: Path, margin: float = 0.25) -> Path:
+    """Any baseline rule as an artifact, so a runtime uses one interface for everything.
+
+    A learned ``accmodel:DIR`` rule travels with its files and gets the same guard as an exported
+    network: the training feature range (widened by ``margin``), outside which ``goodput`` (or
+    ``ar`` without a cost model) answers. Hand-written rules have no training range."""
     from specrl.envs.config import load_cost_model
     from specrl.policies import PolicyContext, make_policy
 
@@ -132,17 +141,23 @@ def export_rule(rule: str, env_cfg: Any, out: Path) -> Path:
     except Exception:  # noqa: BLE001
         cost = None
     make_policy(rule, PolicyContext(env_cfg.k_choices, env_cfg.w_choices, cost, env_cfg.drafter))  # validate
-    if rule.startswith("accmodel:"):  # a learned acceptance model travels inside the artifact
+    guard: dict[str, Any] = {"fallback": "ar"}
+    if rule.startswith("accmodel:"):  # a learned network travels inside the artifact
         import shutil
 
         out.mkdir(parents=True, exist_ok=True)
         for name in ("accmodel.json", "accmodel.safetensors"):
             shutil.copyfile(Path(rule.partition(":")[2]) / name, out / name)
         rule = "accmodel:."  # resolved against the artifact directory when loaded
+        rng = json.loads((out / "accmodel.json").read_text()).get("feature_range")
+        if rng is not None:
+            low, high = guard_range(rng["low"], rng["high"], margin)
+            guard = {"feature_low": low, "feature_high": high, "margin": margin,
+                     "fallback": "goodput" if cost is not None else "ar"}
     meta = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "rule", "rule": rule, "schema": schema(),
         "actions": {"kind": "multidiscrete", "k_choices": env_cfg.k_choices, "w_choices": env_cfg.w_choices},
-        "action_rule": f"the {rule} rule", "guard": {"fallback": "ar"},
+        "action_rule": f"the {rule} rule", "guard": guard,
         "cost_model": None if cost is None else cost.to_json(),
         "provenance": {"target": env_cfg.model, "drafter": env_cfg.drafter, "exported": time.strftime("%Y-%m-%d %H:%M:%S")},
     }
