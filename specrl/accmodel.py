@@ -71,6 +71,12 @@ class Recipe:
     lr: float = 1e-3
     batch_size: int = 1024
 
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"algo 'accmodel': objective={self.objective!r} is not one of {list(OBJECTIVES)}. Fix: "
+                              "objective: acceptance (agents/accmodel.yaml) or objective: decision "
+                              "(agents/decision.yaml).")
+
 
 def recipe_from(agent: Any) -> Recipe:
     """The recipe of an agent preset with ``algo: accmodel``: its ``hyperparams`` are Recipe
@@ -83,10 +89,7 @@ def recipe_from(agent: Any) -> Recipe:
     hp = dict(agent.hyperparams)
     if "hidden" in hp:
         hp["hidden"] = tuple(hp["hidden"])
-    if hp.get("objective", "acceptance") not in OBJECTIVES:
-        raise ConfigError(f"algo 'accmodel': objective={hp['objective']!r} is not one of {list(OBJECTIVES)}. Fix: "
-                          "objective: acceptance (agents/accmodel.yaml) or objective: decision (agents/decision.yaml).")
-    return Recipe(**hp, n_envs=agent.n_envs)
+    return Recipe(**hp, n_envs=agent.n_envs)  # Recipe checks the objective
 
 
 class AcceptanceModel:
@@ -272,8 +275,6 @@ def train(env_cfg: Any, recipe: Recipe | None = None, seed: int = 0, progress: b
     if env_cfg.prompt_split == "test":
         raise ConfigError("accmodel training collects on prompt_split 'test' (the held-out prompts). Fix: "
                           "train on prompt_split 'train' and keep 'test' for the evaluation.")
-    if recipe.objective not in OBJECTIVES:
-        raise ConfigError(f"objective={recipe.objective!r} is not one of {list(OBJECTIVES)}. Fix: objective: decision.")
     ctx = policy_context(env_cfg)
     t0 = time.perf_counter()
     obs, y, g = collect(env_cfg, GoodputArgmax(ctx).decide, recipe.steps, recipe.n_envs, seed, recipe.epsilon,
@@ -331,11 +332,11 @@ def load(path: str | Path, table: ActionTable | None = None) -> tuple[Acceptance
     if table is not None and meta["actions"] != [list(a) for a in table.all()]:
         raise ConfigError(f"accmodel:{path} predicts actions {meta['actions']}, but this env's table is "
                           f"{[list(a) for a in table.all()]}. Fix: retrain it on this env's k_choices / w_choices.")
-    t = load_file(str(st))
-    layers = [(t[f"layer{i}.weight"], t[f"layer{i}.bias"]) for i in range(int(meta["layers"]))]
     if meta.get("objective", "acceptance") not in OBJECTIVES:
         raise ConfigError(f"accmodel:{path} has objective {meta.get('objective')!r}; this specrl knows "
                           f"{list(OBJECTIVES)}. Fix: retrain it with this version.")
+    t = load_file(str(st))
+    layers = [(t[f"layer{i}.weight"], t[f"layer{i}.bias"]) for i in range(int(meta["layers"]))]
     return AcceptanceModel(layers, t["obs_mean"], t["obs_std"], clip=meta.get("output", "relu") == "relu"), meta
 
 

@@ -598,8 +598,9 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
 
 def _train_accmodel(env_cfg: Any, agent: AgentConfig, seed: int, run_dir: Path, tracker: Any, progress: bool,
                     final_eval: bool) -> dict[str, Any]:
-    """``algo: accmodel``: fit the acceptance model (minutes, so --resume simply refits), save it
-    to RUN_DIR/accmodel, then the same final evaluation as the SB3 agents."""
+    """``algo: accmodel``: fit the acceptance model or the decision network (``objective``; minutes,
+    so --resume simply refits), save it to RUN_DIR/accmodel, then the same final evaluation as the
+    SB3 agents."""
     from specrl import accmodel
     from specrl.envs.config import policy_context
     from specrl.policies.base import ActionTable

@@ -85,6 +85,8 @@ def test_recipe_rejects_an_unknown_objective():
     with pytest.raises(ConfigError, match="objective='greedy' is not one of .*Fix: objective: acceptance"):
         accmodel.recipe_from(SimpleNamespace(hyperparams={"objective": "greedy"}, n_envs=4))
     assert accmodel.recipe_from(SimpleNamespace(hyperparams={"objective": "decision"}, n_envs=4)).objective == "decision"
+    with pytest.raises(ConfigError, match="objective='greedy' is not one of"):
+        accmodel.Recipe(objective="greedy")  # what accmodel.train and the benchmark build
 
 
 def test_save_load_roundtrip_through_the_registry(tmp_path):
@@ -114,6 +116,10 @@ def test_save_load_roundtrip_through_the_registry(tmp_path):
     pol = make_policy(f"accmodel:{d2}", CTX)
     assert isinstance(pol, accmodel.DecisionPolicy) and pol.decide(feats()) == ACTIONS[-1]
     np.testing.assert_allclose(pol.scores(feats()), logits)
+    meta = json.loads((d2 / "accmodel.json").read_text())
+    (d2 / "accmodel.json").write_text(json.dumps({**meta, "objective": "greedy"}))
+    with pytest.raises(ConfigError, match="has objective 'greedy'.*Fix: retrain"):
+        make_policy(f"accmodel:{d2}", CTX)
 
 
 @pytest.mark.parametrize("objective", ["acceptance", "decision"])
