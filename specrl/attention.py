@@ -26,6 +26,15 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
                is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    pack = kwargs.pop("specrl_pack", None)
+    if pack is not None:
+        # a ragged verify pass (RaggedKVCache.forward(pack=...)): the N packed query tokens go
+        # back to their rows' (B, n) tree layout for attention against the per-row cache
+        rows, nodes, bsz, n = pack
+        q = query.new_zeros(bsz, query.shape[1], n, query.shape[3])  # (B, H, n, D)
+        q[rows, :, nodes] = query[0].transpose(0, 1)  # (N, H, D)
+        out, _ = _attention(module, q, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+        return out[rows, nodes][None], None  # (B, n, H, D) -> (1, N, H, D)
     groups = getattr(module, "num_key_value_groups", 1)
     if query.device.type == "cpu" and groups > 1 and attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]  # boolean or additive, as transformers

@@ -88,7 +88,11 @@ class SpecEngine:
         seed: int = 0,
         max_batch_size: int | None = None,
         eos_token_ids: Iterable[int] | None = None,
+        ragged: bool = True,
     ) -> None:
+        """``ragged``: when rows ask for different trees (per-request actions), verify them in one
+        *packed* pass (each row's own tree size) instead of padding every row to the union tree.
+        Same tokens either way (tested); off only for comparisons."""
         self.pair = pair
         self.device = pair.device
         self.drafter = make_drafter(drafter, pair) if isinstance(drafter, str) else drafter
@@ -99,6 +103,10 @@ class SpecEngine:
         if max_batch_size is not None and max_batch_size < 1:
             raise ConfigError(f"max_batch_size={max_batch_size} is invalid. Allowed: >= 1 (or None for no limit).")
         self.max_batch_size = max_batch_size
+        from specrl.attention import NAME as _packable_attention
+
+        # packing needs the attention function that unpacks queries to their rows
+        self.ragged = ragged and getattr(pair.target.config, "_attn_implementation", None) == _packable_attention
         self.eos = frozenset(pair.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.cache = RaggedKVCache()
         self.rows: list[Request] = []  # running requests, row order = cache row order
@@ -246,7 +254,27 @@ class SpecEngine:
         base = self.cache.T
         pos = torch.from_numpy(context - 1).to(dev)[:, None] + tree.depth[None, :]  # (B, n)
         tail = tree.ancestors[None].expand(bsz, n, n)  # tree attention among the new tokens
-        logits, _ = self.cache.forward(self.pair.target, draft.tokens, pos, tail, base)  # (B, n, V)
+        wanted = None
+        if proposed and self.ragged:
+            wanted = asked if kept is None else asked[:, kept]  # (B, n) host: nodes each row asked for
+            if wanted.all():
+                wanted = None  # every row asked for the whole union: nothing to pack away
+        if wanted is None:
+            logits, _ = self.cache.forward(self.pair.target, draft.tokens, pos, tail, base)  # (B, n, V)
+            verify_tokens = bsz * n
+        else:
+            rows_h, nodes_h = np.nonzero(wanted)  # (N,) each, row-major
+            rows_t, nodes_t = torch.from_numpy(rows_h).to(dev), torch.from_numpy(nodes_h).to(dev)
+            packed_logits, _ = self.cache.forward(
+                self.pair.target, draft.tokens[rows_t, nodes_t][None], pos[rows_t, nodes_t][None], tail, base,
+                pack=(rows_t, nodes_t),
+            )  # (1, N, V)
+            logits = packed_logits.new_zeros(bsz, n, packed_logits.shape[-1])  # (B, n, V)
+            logits[rows_t, nodes_t] = packed_logits[0]
+            # a node a row did not ask for was never computed: it must not count as proposed
+            draft = Draft(draft.tokens, draft.present & torch.from_numpy(wanted).to(dev), draft.probs,
+                          draft.top1, draft.entropy, draft.match_len, draft.num_matches)
+            verify_tokens = int(rows_h.size)
         out = verify(tree, draft.tokens, draft.present, logits, draft.probs, self.sampling, self.generator)
         node_tokens = draft.tokens.gather(1, out.path.clamp_min(0))  # (B, D+1), [:, 0] = root
         depth_drafted = torch.where(draft.present, tree.depth[None, :], 0).max(dim=1).values  # (B,)
@@ -330,6 +358,7 @@ class SpecEngine:
             num_matches=conf[:, 3],
             context_len=context,
             tree_tokens=n,
+            verify_tokens=verify_tokens,
             level_sizes=vshape.level_sizes,
             prefill_rows=len(joined),
             prefill_len=max((len(r.prompt) for r in joined), default=0),

@@ -48,14 +48,22 @@ class RaggedKVCache:
         self.waste_limit = waste_limit
         self.min_compact_len = min_compact_len
         self._pending = 0  # tokens being written by the current forward
+        self._pack: tuple[torch.Tensor, torch.Tensor, int, int] | None = None  # packed forward in flight
         self._kwarg: str | None = None
 
     # ----- the duck-typed transformers Cache interface ------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Called by every attention layer: write (B, H, n, D) at [T, T+n), return [0, T+n)."""
-        bsz, heads, n, dim = key_states.shape
+        """Called by every attention layer: write (B, H, n, D) at [T, T+n), return [0, T+n).
+
+        In a packed forward (``forward(pack=...)``) the states arrive as (1, H, N, D), one column
+        per (row, node) pair, and are scattered to their rows' columns ``T + node``.
+        """
+        _, heads, n, dim = key_states.shape
+        bsz = key_states.shape[0]
+        if self._pack is not None:
+            rows, nodes, bsz, n = self._pack
         if layer_idx >= len(self.keys):
             cap_t = max(64, 2 * (self.T + n))
             cap_b = max(bsz, self.B)
@@ -63,8 +71,13 @@ class RaggedKVCache:
             self.values.append(value_states.new_zeros(cap_b, heads, cap_t, dim))
         self._ensure(layer_idx, bsz, self.T + n)
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        k[:bsz, :, self.T : self.T + n] = key_states
-        v[:bsz, :, self.T : self.T + n] = value_states
+        if self._pack is not None:
+            # columns of nodes a row did not ask for keep stale values: the mask hides them
+            k[rows, :, self.T + nodes] = key_states[0].transpose(0, 1)  # (N, H, D)
+            v[rows, :, self.T + nodes] = value_states[0].transpose(0, 1)
+        else:
+            k[:bsz, :, self.T : self.T + n] = key_states
+            v[:bsz, :, self.T : self.T + n] = value_states
         return k[:bsz, :, : self.T + n], v[:bsz, :, : self.T + n]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -108,6 +121,7 @@ class RaggedKVCache:
         base: int,
         output_hidden: bool = False,
         logits_to_keep: int = 0,
+        pack: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``model`` on new tokens; columns < base use ``valid``, columns >= base ``tail_mask``.
 
@@ -115,8 +129,19 @@ class RaggedKVCache:
         tentative columns [T, T + n) until ``keep`` commits some of them. ``logits_to_keep=m > 0``
         computes logits for the last m positions only (B, m, V): a prefill needs none, and the
         output head over every prompt token was ~20% of its compute.
+
+        ``pack=(rows, nodes)`` (each (N,) long) runs a *ragged* pass: ``input_ids`` and
+        ``position_ids`` are (1, N), token i belongs to row ``rows[i]`` at tree slot ``nodes[i]``
+        of the (B, n) layout that ``tail_mask`` describes. The linear layers and the output head
+        then see N token rows instead of B * n (the padding of rows that asked for smaller trees
+        is never computed); only the attention runs on the (B, n) layout (``specrl.attention``).
+        Returns (1, N, V) logits. Needs a model using ``specrl_sdpa`` attention.
         """
-        bsz, n = input_ids.shape
+        if pack is not None:
+            bsz, n = tail_mask.shape[0], tail_mask.shape[1]
+            self._pack = (pack[0], pack[1], bsz, n)
+        else:
+            bsz, n = input_ids.shape
         if self.valid.device != input_ids.device:
             self.valid = self.valid.to(input_ids.device)
         self._grow_valid(bsz, self.T + n)
@@ -128,15 +153,20 @@ class RaggedKVCache:
         mask[:, diag, self.T + diag] = True
         if self._kwarg is None:
             self._kwarg = cache_kwarg(model)
-        out = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask[:, None],  # (B, 1, n, T+n)
-            use_cache=True,
-            output_hidden_states=output_hidden,
-            logits_to_keep=logits_to_keep,
-            **{self._kwarg: self},
-        )
+        extra = {} if pack is None else {"specrl_pack": self._pack}
+        try:
+            out = model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=mask[:, None],  # (B, 1, n, T+n)
+                use_cache=True,
+                output_hidden_states=output_hidden,
+                logits_to_keep=logits_to_keep,
+                **{self._kwarg: self},
+                **extra,
+            )
+        finally:
+            self._pack = None
         self.T += n
         self.B = max(self.B, bsz)
         hidden = out.hidden_states[-1] if output_hidden else None

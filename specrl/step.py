@@ -48,10 +48,16 @@ class StepResult:
     draft_time: float
     verify_time: float
     step_time: float  # whole step, prefill included
+    verify_tokens: int | None = None  # token rows the verify pass computed (None: batch_size * tree_tokens)
 
     @property
     def batch_size(self) -> int:
         return len(self.rids)
+
+    @property
+    def verify_rows(self) -> int:
+        """Token rows of the verify pass: B * tree_tokens padded, fewer when it ran ragged."""
+        return self.batch_size * self.tree_tokens if self.verify_tokens is None else self.verify_tokens
 
     def accepted_at_depth(self, depth: int) -> np.ndarray:
         """(B, depth) bool: draft token at depth d+1 was accepted."""

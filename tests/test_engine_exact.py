@@ -34,7 +34,7 @@ def pair(request):
     return tiny_pair(**PAIRS[request.param])
 
 
-def fuzz_run(pair, drafter, seed, per_request=False, eos=()):
+def fuzz_run(pair, drafter, seed, per_request=False, eos=(), ragged=True, stats=None):
     rng = np.random.default_rng(seed)
     vocab = pair.vocab_size
     n_req = int(rng.integers(3, 7))
@@ -42,7 +42,8 @@ def fuzz_run(pair, drafter, seed, per_request=False, eos=()):
     max_new = [int(rng.integers(1, 40)) for _ in range(n_req)]
     max_batch = int(rng.integers(1, 5))
     eng = SpecEngine(pair, drafter=drafter if isinstance(drafter, str) else drafter(pair), max_batch_size=max_batch,
-                     eos_token_ids=eos)
+                     eos_token_ids=eos, ragged=ragged)
+    packed_steps = 0
     todo = list(range(n_req))
     rid_of = {}
     outputs = {}
@@ -64,12 +65,17 @@ def fuzz_run(pair, drafter, seed, per_request=False, eos=()):
             res = eng.step(Action(int(rng.integers(0, 9)), int(rng.integers(1, 5))))
         assert len(res.rids) >= 1 and n_rows >= 1
         accepted += int(res.accept_len.sum())
+        packed_steps += res.verify_rows < res.batch_size * res.tree_tokens
+        if not ragged:
+            assert res.verify_rows == res.batch_size * res.tree_tokens
         for r in eng.pop_finished():
             outputs[rid_of[r.rid]] = r.output.tolist()
     for i in range(n_req):
         assert outputs[i] == reference_greedy(pair.target, prompts[i], max_new[i], eos), (
             f"request {i} differs (drafter={drafter}, seed={seed})"
         )
+    if stats is not None:
+        stats["packed_steps"] = stats.get("packed_steps", 0) + packed_steps
     return accepted
 
 
@@ -107,10 +113,16 @@ def test_greedy_exact_fuzzed_actions_and_batches(pair, drafter, seed):
     fuzz_run(pair, drafter, seed)
 
 
+@pytest.mark.parametrize("ragged", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
-def test_greedy_exact_per_request_actions(pair, drafter):
+def test_greedy_exact_per_request_actions(pair, drafter, ragged):
+    """Every row its own (k, w): verified in one packed pass (each row's own tree size) or padded
+    to the union tree; both must equal the target alone."""
+    stats = {}
     for seed in range(3):
-        fuzz_run(pair, drafter, 100 + seed, per_request=True)
+        fuzz_run(pair, drafter, 100 + seed, per_request=True, ragged=ragged, stats=stats)
+    if ragged:
+        assert stats["packed_steps"] > 0, "no step verified a packed (ragged) pass: the fuzz missed that path"
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
