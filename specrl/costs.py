@@ -106,14 +106,23 @@ class CostModel:
     @staticmethod
     def _lookup(dense: np.ndarray, axes: tuple, batch: Any, tokens: Any, context: Any) -> Any:
         bi = np.clip(np.rint(batch).astype(np.int64), 0, DENSE_BATCH)
-        ni = np.clip(np.rint(tokens).astype(np.int64), 0, DENSE_TOKENS)
+        # tokens per row may be fractional: a ragged verify pass of N token rows over B rows is
+        # charged as a padded pass at N / B tokens per row, linear between the integer points
+        # (the linear layers cost by total rows; integer inputs give the grid value exactly)
+        tok = np.clip(np.asarray(tokens, float), 0, DENSE_TOKENS)
+        n0 = np.floor(tok).astype(np.int64)
+        n1 = np.minimum(n0 + 1, DENSE_TOKENS)
+        wn = tok - n0
         lo, hi, w = _axis_weights(axes[2], np.asarray(context, float))
-        out = dense[bi, ni, lo] * (1 - w) + dense[bi, ni, hi] * w
+        out = (dense[bi, n0, lo] * (1 - w) + dense[bi, n0, hi] * w) * (1 - wn)
+        if np.any(wn > 0):
+            out = out + (dense[bi, n1, lo] * (1 - w) + dense[bi, n1, hi] * w) * wn
         return float(out) if np.ndim(out) == 0 else out
 
     def verify_time(self, batch: Any, tokens: Any, context: Any) -> Any:
         """Target forward with ``batch`` rows of ``tokens`` tokens at ``context``; scalars or arrays
-        (batch <= 64 and tokens <= 65 are exact grid interpolations; larger values are clamped)."""
+        (batch <= 64 and tokens <= 65 are exact grid interpolations; larger values are clamped;
+        fractional ``tokens`` = a ragged pass's mean tokens per row)."""
         return self._lookup(self._dense_verify, self._axes, batch, tokens, context)
 
     def isolated_verify_time(self, batch: float, tokens: float, context: float) -> float:
@@ -156,10 +165,11 @@ class CostModel:
         return prefill + draft + self.verify_time(batch, tree_tokens, context) + over
 
     def step_time(
-        self, drafter: str, k: int, batch: int, tree_tokens: int, level_sizes: list[int] | tuple[int, ...],
+        self, drafter: str, k: int, batch: int, tree_tokens: float, level_sizes: list[int] | tuple[int, ...],
         context: float, prefill_rows: int = 0, prefill_len: int = 0,
     ) -> float:
-        """One step (see ``step_time_batch``; this is its N = 1 case)."""
+        """One step (see ``step_time_batch``; this is its N = 1 case). ``tree_tokens``: verify tokens
+        per row, fractional for a ragged pass (total token rows / batch)."""
         levels = np.zeros((1, MAX_LEVELS))
         levels[0, : len(level_sizes)] = level_sizes
         return float(self.step_time_batch(drafter, np.array([k > 0]), np.array([batch]), np.array([tree_tokens]),

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         out = export_run(run_dir, run_dir / "export")
         done.append((Path(agent).stem, run_dir, out, summary["eval"]))
         ov = summary["eval"]["overall"]
-        best = max((v, k) for k, v in ov.items() if k not in ("learned", "oracle"))
+        best = max((v, k) for k, v in ov.items() if k != "learned" and not k.startswith("oracle"))
         print(f"\n{Path(agent).stem}, held-out evaluation, goodput (tokens/s, geometric mean over loads): learned "
               f"{ov['learned']:.1f}, best baseline {best[1]} {best[0]:.1f} ({ov['learned'] / best[0]:.3f}x), oracle "
               f"{ov['oracle']:.1f} (learned = {ov['learned'] / ov['oracle']:.2f} of oracle)")
@@ -102,7 +102,7 @@ def comparison(done: list[tuple[str, Path, Path, dict]]) -> str:
              "|---|---|" + "---|" * len(names) + "---|"]
     for load in [*ev0["by_load"], "overall"]:
         g0 = ev0["overall"] if load == "overall" else ev0["by_load"][load]
-        bv, bk = max((v, k) for k, v in g0.items() if k not in ("learned", "oracle"))
+        bv, bk = max((v, k) for k, v in g0.items() if k != "learned" and not k.startswith("oracle"))
         cells = []
         for _, _, _, ev in done:
             v = (ev["overall"] if load == "overall" else ev["by_load"][load])["learned"]

@@ -238,6 +238,7 @@ class SpecEngine:
                     draft.tokens[:, idx], draft.present[:, idx],
                     None if draft.probs is None else draft.probs[:, idx],  # sampled drafts keep their q
                     draft.top1, draft.entropy, draft.match_len, draft.num_matches,
+                    host_present=None if draft.host_present is None else draft.host_present[:, kept],
                 )
             vshape, tree = self._tree_tensors(shape, keep)
         else:
@@ -256,7 +257,10 @@ class SpecEngine:
         tail = tree.ancestors[None].expand(bsz, n, n)  # tree attention among the new tokens
         wanted = None
         if proposed and self.ragged:
-            wanted = asked if kept is None else asked[:, kept]  # (B, n) host: nodes each row asked for
+            # (B, n) host: the nodes each row really proposed when the drafter knows them (n-gram:
+            # a row whose lookup found nothing verifies its root only), else the nodes it asked for
+            wanted = draft.host_present if draft.host_present is not None else (
+                asked if kept is None else asked[:, kept])
             if wanted.all():
                 wanted = None  # every row asked for the whole union: nothing to pack away
         if wanted is None:

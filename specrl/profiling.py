@@ -116,7 +116,7 @@ def calibrate_on_engine(pair, drafter: str, cost: CostModel, reps: int,
         for step in range(steps):
             r = eng.step(cycle[step % len(cycle)])
             measured += r.verify_time
-            modelled += cost.isolated_verify_time(b, r.tree_tokens, float(np.mean(r.context_len)))
+            modelled += cost.isolated_verify_time(b, r.verify_rows / b, float(np.mean(r.context_len)))
             over_x.append(b)
             over_y.append(r.step_time - r.prefill_time - r.draft_time - r.verify_time)
         scale.append(measured / modelled)

@@ -188,8 +188,9 @@ class ReplayBackend:
     """A DecodeBackend that steps requests through ReplayTables (see module docstring)."""
 
     def __init__(self, tables: ReplayTables, pool_rows: list[int], k_choices: list[int], w_choices: list[int],
-                 drafter: str) -> None:
+                 drafter: str, ragged: bool = True) -> None:
         self.t = tables
+        self.ragged = ragged  # as SpecEngine(ragged=...): verify tokens = each row's own tree
         self.pool_rows = pool_rows  # prompt-pool index -> trace index
         self.index = {kw: a for a, kw in enumerate(action_table(k_choices, w_choices))}
         self.drafter = drafter
@@ -268,6 +269,7 @@ class ReplayBackend:
             match_len=nanv if stats_nan else tb.match_len[rows],
             num_matches=nanv if stats_nan else tb.num_matches[rows],
             context_len=context, tree_tokens=1 + int(bits.sum()), level_sizes=levels,
+            verify_tokens=int(np.sum(1 + popcount64(tb.mask[rows, a]))) if self.ragged and kw[0] else None,
             prefill_rows=prefill_rows, prefill_len=prefill_len, finished=[],
             prefill_time=0.0, draft_time=0.0, verify_time=0.0, step_time=0.0,
         )

@@ -22,10 +22,13 @@ from specrl.config import apply_overrides, from_dict, load_yaml, split_override
 from specrl.errors import ConfigError, unknown_name
 from specrl.evaluate import EVAL_HORIZON_S
 
-ALGOS = ("ppo", "a2c", "dqn", "accmodel")
-"""SB3 algorithms, and ``accmodel``: a network fit on the replay env's counterfactual outcomes,
+ALGOS = ("ppo", "a2c", "dqn", "accmodel", "rowmodel")
+"""SB3 algorithms; ``accmodel``: a network fit on the replay env's counterfactual outcomes,
 either an acceptance model under goodput's argmax or a direct decision network (``specrl.accmodel``,
-``objective``; its ``hyperparams`` are ``accmodel.Recipe`` fields)."""
+``objective``; its ``hyperparams`` are ``accmodel.Recipe`` fields); ``rowmodel``: a per-request
+acceptance table fit on the training prompts' traces, planning one (k, w) per request
+(``specrl.rowmodel``; hyperparams: ``prior``)."""
+ROWMODEL_HYPERPARAMS = ("prior",)
 SCHEDULED = ("learning_rate", "clip_range")
 """Hyperparameters that may be a linear schedule, written ``lin_<start>`` as in rl-zoo: the value
 falls linearly from ``start`` at the first step to 0 at ``total_timesteps``."""
@@ -105,6 +108,16 @@ class AgentConfig:
                                   f"{self.defer!r}, frame_stack={self.frame_stack} do not apply. Fix: set pretrain: "
                                   "null, defer: null, frame_stack: 1 (see agents/accmodel.yaml).")
             recipe_from(self)  # refuse unknown hyperparams now, not after the traces are collected
+        if self.algo == "rowmodel":
+            if self.pretrain or self.defer or self.frame_stack > 1:
+                raise ConfigError(f"algo 'rowmodel' is not an SB3 agent: pretrain={self.pretrain!r}, defer="
+                                  f"{self.defer!r}, frame_stack={self.frame_stack} do not apply. Fix: set pretrain: "
+                                  "null, defer: null, frame_stack: 1 (see agents/rowmodel.yaml).")
+            unknown = sorted(set(self.hyperparams) - set(ROWMODEL_HYPERPARAMS))
+            if unknown:
+                raise ConfigError(f"algo 'rowmodel' has no hyperparams {unknown}. Allowed: {list(ROWMODEL_HYPERPARAMS)}. "
+                                  "Fix: remove them (see agents/rowmodel.yaml).")
+            return
         if self.pretrain and (self.algo == "dqn" or self.frame_stack > 1):
             raise ConfigError(f"pretrain={self.pretrain!r} works with algo ppo or a2c and frame_stack 1 (got algo="
                               f"{self.algo!r}, frame_stack={self.frame_stack}). Fix: set pretrain: null or change those.")
@@ -278,6 +291,12 @@ def learned_policy(run_dir: Path, env_cfg: Any, agent: AgentConfig, model: Any =
         from specrl.accmodel import make_policy as make_accmodel
 
         pol = make_accmodel(policy_context(env_cfg), str(run_dir / "accmodel"))
+        pol.name = name
+        return pol
+    if agent.algo == "rowmodel":
+        from specrl.rowmodel import RowModelPolicy
+
+        pol = RowModelPolicy(policy_context(env_cfg), run_dir / "rowmodel")
         pol.name = name
         return pol
     if model is None:
@@ -556,6 +575,8 @@ def train(env_path: str | None, agent_path: str | None, overrides: list[str], se
     tracker = WandbTracker(run_dir, name, json.loads((run_dir / "config.json").read_text())) if track else None
     if agent.algo == "accmodel":
         return _train_accmodel(env_cfg, agent, seed, run_dir, tracker, progress, final_eval)
+    if agent.algo == "rowmodel":
+        return _train_rowmodel(env_cfg, agent, run_dir, tracker, final_eval)
     ck = latest_checkpoint(run_dir) if resume is not None else None
     stats = load_stats(ck / "obs_stats.json") if ck is not None else None
     vec = make_vec_env(env_cfg, agent, seed, stats)
@@ -628,12 +649,52 @@ def _train_accmodel(env_cfg: Any, agent: AgentConfig, seed: int, run_dir: Path, 
     return summary
 
 
+def _train_rowmodel(env_cfg: Any, agent: AgentConfig, run_dir: Path, tracker: Any, final_eval: bool) -> dict[str, Any]:
+    """``algo: rowmodel``: fit the per-request acceptance table on every position of the training
+    prompts' traces (seconds; deterministic, so the seed changes nothing and --resume refits), save
+    it to RUN_DIR/rowmodel, then the same validation and final evaluation as the other agents."""
+    from specrl import rowmodel
+    from specrl.envs.config import policy_context
+    from specrl.envs.replay import load_replay_data
+    from specrl.replay import action_table
+
+    if env_cfg.backend != "replay":
+        raise ConfigError(f"algo 'rowmodel' fits on replay traces, but the env's backend is {env_cfg.backend!r}. "
+                          "Fix: --env envs/replay.yaml (or set backend: replay).")
+    t0 = time.perf_counter()
+    _, _, rows, tables = load_replay_data(env_cfg)  # the env's prompt split: its training prompts
+    art = rowmodel.fit(tables, np.asarray(rows), action_table(env_cfg.k_choices, env_cfg.w_choices),
+                       **{k: float(v) for k, v in agent.hyperparams.items()})
+    rowmodel.save(art, run_dir / "rowmodel")
+    train_s = time.perf_counter() - t0
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "steps": art["fit"]["rows"],
+                               "steps_per_s": art["fit"]["rows"] / max(train_s, 1e-9), "train_seconds": train_s,
+                               "rowmodel": art["fit"]}
+    if tracker is not None:
+        tracker.log({f"rowmodel/{k}": v for k, v in art["fit"].items()}, 0)
+    pol = rowmodel.RowModelPolicy(policy_context(env_cfg), run_dir / "rowmodel")
+    val = quick_eval(env_cfg, agent, pol, ["goodput"], split="train", seed0=VALIDATION_SEED0)
+    summary["validation"] = {"learned": val["overall"]["learned"], "goodput": val["overall"]["goodput"]}
+    print(f"rowmodel: {art['fit']['rows']} trace rows, mean abs error {art['fit']['mae']:.3f} accepted tokens "
+          f"(constant {art['fit']['mae_constant']:.3f}); validation {val['overall']['learned']:.2f} tokens/s vs "
+          f"goodput {val['overall']['goodput']:.2f} ({val['overall']['learned'] / val['overall']['goodput']:.3f}x)",
+          flush=True)
+    if final_eval:
+        _final_eval(run_dir, env_cfg, agent, pol, tracker, summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    if tracker is not None:
+        tracker.finish()
+    return summary
+
+
 def _final_eval(run_dir: Path, env_cfg: Any, agent: AgentConfig, pol: Any, tracker: Any, summary: dict[str, Any]) -> None:
-    """Held-out evaluation of the run's policy beside every baseline and the oracle (table, plots)."""
+    """Held-out evaluation of the run's policy beside every baseline and the oracles (table, plots);
+    the per-request oracle where the verify is ragged (there per-request actions pay)."""
     from specrl.evaluate import markdown_table
     from specrl.policies import BASELINES
 
-    res = quick_eval(env_cfg, agent, pol, [*BASELINES, "oracle"], out=run_dir / "eval")
+    refs = ["oracle", "oracle-rows"] if env_cfg.verify == "ragged" else ["oracle"]
+    res = quick_eval(env_cfg, agent, pol, [*BASELINES, *refs], out=run_dir / "eval")
     summary["eval"] = {k: res[k] for k in ("overall", "by_load", "ci95", "accept_len", "plots", "table")}
     (run_dir / "eval" / "table.md").write_text(markdown_table(res["_agg"], res["_labels"], res["_names"]) + "\n")
     if tracker is not None:

@@ -27,7 +27,7 @@ def test_replay_step_outcomes_equal_live_engine(tiny_traces, drafter):
     rep = ReplayBackend(tables, list(range(len(traces))), K, W, drafter)
     rng = np.random.default_rng(0)
     queue = list(range(len(traces)))
-    rid, running, steps, accepted = 0, set(), 0, 0
+    rid, running, steps, accepted, packed = 0, set(), 0, 0, 0
     while queue or running:
         while queue and len(running) < 4:
             p = queue.pop(0)
@@ -42,6 +42,7 @@ def test_replay_step_outcomes_equal_live_engine(tiny_traces, drafter):
         np.testing.assert_array_equal(a.num_committed, b.num_committed)
         np.testing.assert_array_equal(a.draft_depth, b.draft_depth)
         assert a.tree_tokens == b.tree_tokens and a.level_sizes == b.level_sizes
+        assert a.verify_rows == b.verify_rows  # the ragged verify's token rows (n-gram: rows without a match)
         assert a.prefill_rows == b.prefill_rows and a.prefill_len == b.prefill_len
         np.testing.assert_allclose(a.match_len, b.match_len)
         np.testing.assert_allclose(a.num_matches, b.num_matches)
@@ -51,7 +52,10 @@ def test_replay_step_outcomes_equal_live_engine(tiny_traces, drafter):
         running -= set(a.finished)
         steps += 1
         accepted += int(a.accept_len.sum())
+        packed += a.verify_rows < a.batch_size * a.tree_tokens
     assert steps > 20 and accepted > 10
+    if drafter == "ngram":
+        assert packed > 0, "no step had a row without an n-gram match: the ragged replay charge went untested"
 
 
 def test_trace_roundtrip_and_corruption(tiny_traces, tmp_path):

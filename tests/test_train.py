@@ -155,13 +155,13 @@ def test_train_refuses_the_live_backend(tiny_env, tmp_path):
         train(tiny_env, "agents/ppo.yaml", TINY + ["backend=live"], run_dir=tmp_path / "l", progress=False)
 
 
-@pytest.mark.parametrize("agent", ["ppo", "accmodel", "decision"])
+@pytest.mark.parametrize("agent", ["ppo", "accmodel", "decision", "rowmodel"])
 def test_cli_train_smoke(agent, tiny_env, tmp_path):
     """The CLI end to end on a tiny budget (subprocess, as a user would run it)."""
     import subprocess
     import sys
 
-    over = TINY + SMALL_BATCH["ppo"] if agent == "ppo" else ACC_TINY
+    over = {"ppo": TINY + SMALL_BATCH["ppo"], "rowmodel": ROW_TINY}.get(agent, ACC_TINY)
     args = [sys.executable, "-m", "specrl.cli", "train", "--env", tiny_env, "--agent", f"agents/{agent}.yaml",
             "--run-dir", str(tmp_path / "cli"), *sum((["--set", s] for s in over), [])]
     out = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ))
@@ -236,6 +236,34 @@ def test_training_evaluations_use_every_category(tiny_env):
 ACC_TINY = ["agent.n_envs=4", "agent.eval_seeds=1", "agent.eval_loads=[closed:1]", "agent.eval_horizon_s=2.0",
             "agent.hyperparams.steps=6", "agent.hyperparams.rounds=1", "agent.hyperparams.round_steps=4",
             "agent.hyperparams.hidden=[16]", "agent.hyperparams.epochs=2"]
+ROW_TINY = ["agent.eval_seeds=1", "agent.eval_loads=['closed:1,4']", "agent.eval_horizon_s=2.0"]
+
+
+def test_rowmodel_preset_trains_and_evaluates_beside_per_request_references(tiny_env, tmp_path):
+    """agents/rowmodel.yaml through `specrl train`: the table is saved in the run and loads through
+    the registry; the final evaluation has the per-request baseline and oracle beside the others."""
+    from specrl.envs.config import load_env_config, policy_context
+    from specrl.policies import make_policy
+
+    summary = train(tiny_env, "agents/rowmodel.yaml", ROW_TINY, run_dir=tmp_path / "rm", progress=False)
+    run = Path(summary["run_dir"])
+    for f in ("config.json", "rowmodel/rowmodel.json", "summary.json", "eval/table.md"):
+        assert (run / f).exists(), f
+    fit = summary["rowmodel"]
+    assert fit["rows"] > 0 and fit["mae"] < fit["mae_constant"]  # the buckets explain some acceptance
+    overall = summary["eval"]["overall"]
+    assert {"learned", "goodput", "goodput-rows", "oracle", "oracle-rows"} <= set(overall)
+    pol = make_policy(f"rowmodel:{run / 'rowmodel'}", policy_context(load_env_config(tiny_env)))
+    assert pol.per_row and pol.table.shape[1] == len(pol.actions_kw)
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"pretrain": "goodput"}, "algo 'rowmodel' is not an SB3 agent"),
+    ({"hyperparams": {"lr": 0.1}}, r"has no hyperparams \['lr'\]"),
+])
+def test_rowmodel_preset_refuses_what_does_not_apply(over, match):
+    with pytest.raises(ConfigError, match=match):
+        load_agent_config("agents/rowmodel.yaml", over)
 
 
 def test_accmodel_preset_trains_evaluates_tracks_and_exports(tiny_env, tmp_path, monkeypatch):

@@ -43,6 +43,9 @@ class Draft:
     host_union: np.ndarray | None = None  # (n,) bool on the host: slots filled in any row, when the
     #                                        drafter knows it without a device sync (n-gram); lets the
     #                                        engine drop slots nobody filled
+    host_present: np.ndarray | None = None  # (B, n) bool on the host: ``present`` itself, when known
+    #                                          without a sync (n-gram); the engine's ragged verify then
+    #                                          computes only these nodes (a row with no match: its root)
 
 
 class Drafter(Protocol):

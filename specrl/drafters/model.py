@@ -165,11 +165,12 @@ class ModelDrafter:
             have[:, i] &= have[:, shape.parent[i]]
         self._state = _StepState(base, lens, colmap)
         zeros = torch.zeros(bsz, device=dev)
-        union = None  # (n,) host copy of the proposed slots: the engine verifies only these
-        if self.min_confidence > 0:
-            union = have.any(dim=0).cpu().numpy()
-            union[0] = True  # the root is always verified
-        return Draft(tokens, have, probs, top1, entropy, zeros, zeros, host_union=union)
+        union = rows = None  # host copies of the proposed slots: the engine verifies only these
+        if self.min_confidence > 0:  # the sync is worth it only when confidence cuts the trees
+            rows = have.cpu().numpy()  # (B, n)
+            rows[:, 0] = True  # the root is always verified
+            union = rows.any(axis=0)
+        return Draft(tokens, have, probs, top1, entropy, zeros, zeros, host_union=union, host_present=rows)
 
     def commit(self, path: np.ndarray, accept_len: np.ndarray) -> None:
         """Keep the pending tokens and the fed nodes of each row's accepted path."""

@@ -160,13 +160,16 @@ class NGramDrafter:
             stats[b] = (match_len, num_matches)
         st = torch.from_numpy(stats).to(self.device)
         zeros = torch.zeros(bsz, device=self.device)
+        have &= present
+        have[:, 0] = True  # the root is always verified
         return Draft(
             tokens=torch.from_numpy(tokens).to(self.device),
-            present=torch.from_numpy(have & present).to(self.device),
+            present=torch.from_numpy(have).to(self.device),
             probs=None,
             top1=(st[:, 0] > 0).float(),
             entropy=zeros,
             match_len=st[:, 0],
             num_matches=st[:, 1],
-            host_union=(have & present).any(axis=0),
+            host_union=have.any(axis=0),
+            host_present=have,
         )

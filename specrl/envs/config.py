@@ -15,6 +15,7 @@ REWARDS = ("throughput", "latency", "slo")
 TIME_SOURCES = ("measured", "profiled")
 BACKENDS = ("live", "replay")
 SPLITS = ("train", "test", "all")
+VERIFY = ("ragged", "padded")
 
 
 @dataclass
@@ -78,6 +79,10 @@ class EnvConfig:
     """Sampling temperature (0 = greedy)."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
+    verify: str = "ragged"
+    """ragged: each row's verify tokens are its own tree (rows asking for less, and n-gram rows
+    whose lookup found nothing, cost less), one packed pass (the engine's default); padded: every
+    row pays the union tree of the batch (``SpecEngine(ragged=False)``, the engine before 2026-12-07)."""
     max_episode_steps: int = 20000
     """Safety cap on steps per episode (the simulated-time horizon normally ends it first)."""
 
@@ -90,6 +95,8 @@ class EnvConfig:
             raise unknown_name("time_source", self.time_source, TIME_SOURCES)
         if self.prompt_split not in SPLITS:
             raise unknown_name("prompt_split", self.prompt_split, SPLITS)
+        if self.verify not in VERIFY:
+            raise unknown_name("verify", self.verify, VERIFY)
         if not self.k_choices or len(set(self.k_choices)) != len(self.k_choices) or not all(
             0 <= k <= MAX_K for k in self.k_choices
         ):
@@ -156,7 +163,7 @@ def policy_context(cfg: EnvConfig) -> Any:
     """What a policy acting in this env may know: its action tables, cost model and drafter."""
     from specrl.policies import PolicyContext
 
-    return PolicyContext(cfg.k_choices, cfg.w_choices, load_cost_model(cfg), cfg.drafter)
+    return PolicyContext(cfg.k_choices, cfg.w_choices, load_cost_model(cfg), cfg.drafter, cfg.verify)
 
 
 def load_cost_model(cfg: EnvConfig) -> Any:

@@ -43,8 +43,9 @@ def time_function(cfg: EnvConfig, cost_model: Any) -> Any:
     def profiled(res: Any) -> float:
         ctx = float(np.mean(res.context_len)) if len(res.context_len) else 0.0
         k = max((a.k for a in res.actions), default=0)
-        return cost_model.step_time(cfg.drafter, k, len(res.rids), res.tree_tokens, res.level_sizes, ctx,
-                                    res.prefill_rows, res.prefill_len)
+        # tokens per row of the pass as it ran: fractional for a ragged (packed) verify
+        return cost_model.step_time(cfg.drafter, k, len(res.rids), res.verify_rows / max(1, len(res.rids)),
+                                    res.level_sizes, ctx, res.prefill_rows, res.prefill_len)
 
     return profiled
 
@@ -113,7 +114,8 @@ class SpecDecodeEnv(SpecEnvBase):
         pair = self._pair or shared_pair(cfg)
         self.pair = pair
         pool = prompt_pool(cfg, pair)
-        engine = SpecEngine(pair, drafter=cfg.drafter, sampling=SamplingParams(cfg.temperature, cfg.top_p))
+        engine = SpecEngine(pair, drafter=cfg.drafter, sampling=SamplingParams(cfg.temperature, cfg.top_p),
+                            ragged=cfg.verify == "ragged")
         cost = load_cost_model(cfg) if cfg.time_source == "profiled" or cfg.time_penalty == "ar" else None
         self.cost_model = cost
         self.engine = engine

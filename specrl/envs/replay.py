@@ -109,7 +109,8 @@ class SpecReplayEnv(SpecEnvBase):
         _, pool, rows, tables = load_replay_data(cfg)
         self.tables = tables
         cost = load_cost_model(cfg)
-        backend = ReplayBackend(tables, rows, cfg.k_choices, cfg.w_choices, cfg.drafter)  # pool row i = trace rows[i]
+        backend = ReplayBackend(tables, rows, cfg.k_choices, cfg.w_choices, cfg.drafter,  # pool row i = trace rows[i]
+                                ragged=cfg.verify == "ragged")
         self.cost_model: CostModel = cost
         profiled = EnvConfig(**{**cfg.__dict__, "time_source": "profiled"})
         return ServingLoop(backend, Workload(cfg.workload, pool), time_function(profiled, cost), cfg.horizon_s)

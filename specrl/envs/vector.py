@@ -35,6 +35,7 @@ from specrl.features import (
     update_step_batch,
 )
 from specrl.replay import action_table, popcount64
+from specrl.rows import RowView, copy_runs
 from specrl.serving import SLO_GRACE_TOKENS
 from specrl.workload import Workload
 
@@ -67,6 +68,11 @@ class SpecReplayVecEnv(VecEnv):
             for j, d in enumerate(tb.bit_depth[a]):
                 if d > 0:
                     self.depth_masks[a, d - 1] |= np.uint64(1) << np.uint64(j)
+        # per trace row: tokens predicted in a row by the 1-token lookup before it (a chain's first
+        # draft token is the lookup's own prediction, whatever k)
+        chains = [a for a, (k, w) in enumerate(self.actions_kw.tolist()) if k > 0 and w == 1]
+        hit = tb.accept[:, min(chains, key=lambda a: self.actions_kw[a, 0])] > 0 if chains else np.zeros(len(tb.accept), bool)
+        self.copy_run = copy_runs(tb.offsets, hit)  # (R,)
         self.workloads = [Workload(cfg.workload, self.pool) for _ in range(num_envs)]
         self.rngs = [seeding.np_random(None)[0] for _ in range(num_envs)]
         self._pending_seeds: list[int | None] = [None] * num_envs
@@ -79,6 +85,7 @@ class SpecReplayVecEnv(VecEnv):
         self.trow = np.zeros((n, s), np.int64)
         self.pos = np.zeros((n, s), np.int64)
         self.limit = np.zeros((n, s), np.int64)
+        self.maxnew = np.zeros((n, s), np.int64)  # the request's max_new_tokens (observable, unlike limit)
         self.plen = np.zeros((n, s), np.int64)
         self.arrival = np.zeros((n, s))
         self.first = np.full((n, s), np.nan)
@@ -102,6 +109,7 @@ class SpecReplayVecEnv(VecEnv):
         self.tokens_total = np.zeros(n, np.int64)
         self.finished_stats: list[list[tuple[float, float, float, bool]]] = [[] for _ in range(n)]
         self._actions: np.ndarray | None = None
+        self._row_actions: np.ndarray | None = None  # (N, S) per-request actions of the next step
 
     # ----- SB3 VecEnv plumbing ---------------------------------------------------------------
     def seed(self, seed: int | None = None) -> list[int | None]:
@@ -139,6 +147,29 @@ class SpecReplayVecEnv(VecEnv):
 
     def step_async(self, actions: np.ndarray) -> None:
         self._actions = np.asarray(actions).reshape(self.num_envs, 2)
+        self._row_actions = None
+
+    def step_rows(self, row_actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        """One step with per-request actions: ``row_actions`` (N, S) indices into ``actions_kw``,
+        one per slot (free slots are ignored). Returns what ``step`` returns. The observation's
+        previous-action fields (and ``since_draft``) follow the deepest row's action, so acceptance
+        keeps being tracked while some rows draft; the info's k, w report the most common one."""
+        row_actions = np.asarray(row_actions, np.int64)
+        if row_actions.shape != self.active.shape:
+            raise ConfigError(f"row_actions has shape {row_actions.shape}; expected (num_envs, max_batch_size) = "
+                              f"{self.active.shape}. Fix: one action index per slot (vec.active marks the rows).")
+        if row_actions.min() < 0 or row_actions.max() >= len(self.actions_kw):
+            raise ConfigError(f"row_actions must index the {len(self.actions_kw)} actions of actions_kw; got "
+                              f"{row_actions.min()}..{row_actions.max()}.")
+        n_w = len(self.cfg.w_choices)
+        nominal = np.zeros(self.num_envs, np.int64)
+        for i in range(self.num_envs):
+            used = row_actions[i][self.active[i]]
+            if used.size:
+                nominal[i] = np.bincount(used, minlength=len(self.actions_kw)).argmax()
+        self.step_async(np.stack([nominal // n_w, nominal % n_w], 1))
+        self._row_actions = row_actions
+        return self.step_wait()
 
     # ----- episodes ------------------------------------------------------------------------------
     def _reset_env(self, i: int) -> None:
@@ -222,6 +253,7 @@ class SpecReplayVecEnv(VecEnv):
                 self.cat[i, slot] = self.pool_cat[prompt]
                 self.pos[i, slot] = 0
                 self.limit[i, slot] = min(int(tb.cont_len[tr]), int(self.sched_m[i][q]))
+                self.maxnew[i, slot] = int(self.sched_m[i][q])
                 self.plen[i, slot] = tb.prompt_len[tr]
                 self.arrival[i, slot] = self.sched_t[i][q]
                 self.first[i, slot] = np.nan
@@ -243,28 +275,66 @@ class SpecReplayVecEnv(VecEnv):
             update_draft_batch(sub, act, self.tables.stats[np.where(act, rows, 0)])
         self.obs[idx] = sub
 
-    def _outcome(self, a_idx: np.ndarray, prefill: bool = True) -> dict[str, np.ndarray]:
+    def _outcome(self, a_idx: np.ndarray, prefill: bool = True, row_actions: np.ndarray | None = None,
+                 ) -> dict[str, np.ndarray]:
         """What one step with action indices ``a_idx`` (N,) does, without changing state.
-        ``prefill=False``: ``dt`` leaves out the newcomers' prefill (the same for every action)."""
+        ``prefill=False``: ``dt`` leaves out the newcomers' prefill (the same for every action).
+        ``row_actions`` (N, S): one action index per slot instead (per-request actions).
+
+        Verify cost: ``verify: ragged`` charges each row its own tree (1 + the nodes it proposed;
+        1 when its n-gram lookup found nothing) at the batch's mean tokens per row (the engine's
+        packed pass); ``padded`` charges every row the union tree of the batch."""
         cfg, tb = self.cfg, self.tables
-        k = self.actions_kw[a_idx, 0]
         valid = self.active.copy()  # (N, S)
+        a_row = np.broadcast_to(a_idx[:, None], valid.shape) if row_actions is None else row_actions  # (N, S)
+        drafted = (self.actions_kw[a_row, 0] > 0).any(1) if row_actions is not None else self.actions_kw[a_idx, 0] > 0
         rows = np.where(valid, tb.offsets[self.trow] + self.pos, 0)  # (N, S)
-        flat = rows * len(self.actions_kw) + a_idx[:, None]  # (N, S) index into the flattened (R, A) tables
+        flat = rows * len(self.actions_kw) + a_row  # (N, S) index into the flattened (R, A) tables
         acc = np.where(valid, tb.accept_flat.take(flat), 0)
         masks = np.where(valid, tb.mask_flat.take(flat), np.uint64(0))
-        union = np.bitwise_or.reduce(masks, axis=1)  # (N,)
-        tree_tokens = 1 + popcount64(union)
-        levels = popcount64(union[:, None] & self.depth_masks[a_idx])  # (N, MAX_LEVELS)
-        committed = np.where(valid, np.minimum(acc + 1, self.limit - self.pos), 0)
         batch = valid.sum(1)
+        if row_actions is None:
+            union = np.bitwise_or.reduce(masks, axis=1)  # (N,) node bits of the action's tree
+            tree_tokens = 1 + popcount64(union)
+            levels = popcount64(union[:, None] & self.depth_masks[a_idx])  # (N, MAX_LEVELS)
+        else:  # rows' trees differ: a draft model drafts their union, level by level
+            levels = popcount64(masks[..., None] & self.depth_masks[a_row]).max(1)  # (N, MAX_LEVELS)
+            tree_tokens = 1 + levels.sum(1)
+        if cfg.verify == "ragged":
+            row_tokens = np.where(valid, 1 + popcount64(masks), 0)  # (N, S)
+            verify_tokens = np.maximum(row_tokens.sum(1) / np.maximum(batch, 1), 1.0)  # mean per row
+        else:
+            verify_tokens = tree_tokens
+        committed = np.where(valid, np.minimum(acc + 1, self.limit - self.pos), 0)
         ctx = np.where(valid, self.plen + self.pos, 0).astype(np.float64)
         ctx_mean = ctx.sum(1) / np.maximum(batch, 1)
         newv = self.new & valid if prefill else np.zeros_like(valid)
-        dt = self.cost.step_time_batch(cfg.drafter, k > 0, batch, tree_tokens, levels, ctx_mean, newv.sum(1),
+        dt = self.cost.step_time_batch(cfg.drafter, drafted, batch, verify_tokens, levels, ctx_mean, newv.sum(1),
                                        np.where(newv, self.plen, 0).max(1))
         return {"valid": valid, "rows": rows, "flat": flat, "acc": np.minimum(acc, committed),
-                "committed": committed, "tree_tokens": tree_tokens, "batch": batch, "dt": dt, "ctx_mean": ctx_mean}
+                "committed": committed, "tree_tokens": tree_tokens, "verify_tokens": verify_tokens,
+                "batch": batch, "dt": dt, "ctx_mean": ctx_mean}
+
+    def row_view(self) -> RowView:
+        """What a per-request policy may observe of every running row now (``specrl.rows``)."""
+        tb, valid = self.tables, self.active.copy()
+        rows = np.where(valid, tb.offsets[self.trow] + self.pos, 0)  # (N, S)
+        return RowView(
+            valid=valid,
+            match_len=np.where(valid, np.nan_to_num(tb.match_len[rows]), 0.0),
+            num_matches=np.where(valid, np.nan_to_num(tb.num_matches[rows]), 0.0),
+            copy_run=np.where(valid, self.copy_run[rows], 0),
+            tokens_left=np.where(valid, self.maxnew - self.pos, 0),
+            context=np.where(valid, self.plen + self.pos, 0),
+            row_tokens=np.where(valid[..., None], 1 + popcount64(tb.mask[rows]), 1),
+        )
+
+    def row_outcomes(self) -> np.ndarray:
+        """(N, S, A) tokens each row would commit under each action (clairvoyant: replay only)."""
+        tb, valid = self.tables, self.active
+        rows = np.where(valid, tb.offsets[self.trow] + self.pos, 0)
+        left = (self.limit - self.pos)[..., None]
+        return np.where(valid[..., None], np.minimum(tb.accept[rows].astype(np.float64) + 1.0, left), 0.0)
 
     def action_outcomes(self, prefill: bool = True) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
         """(actions, tokens (N, A), seconds (N, A)): what every action would do now (for the oracle).
@@ -289,13 +359,21 @@ class SpecReplayVecEnv(VecEnv):
         a_idx = acts[:, 0] * len(cfg.w_choices) + acts[:, 1]  # (N,)
         k = self.actions_kw[a_idx, 0]
         w = self.actions_kw[a_idx, 1]
-        out = self._outcome(a_idx)
+        row_actions, self._row_actions = self._row_actions, None
+        out = self._outcome(a_idx, row_actions=row_actions)
+        k_feat = k  # previous-action features: per-request steps report the deepest row's action
+        w_feat = w
+        if row_actions is not None:
+            deepest = np.argmax(np.where(self.active, self.actions_kw[row_actions, 0], -1), axis=1)  # (N,)
+            a_deep = row_actions[np.arange(self.num_envs), deepest]
+            k_feat, w_feat = self.actions_kw[a_deep, 0], self.actions_kw[a_deep, 1]
         valid, rows, acc, committed = out["valid"], out["rows"], out["acc"], out["committed"]
         tree_tokens, batch, dt = out["tree_tokens"], out["batch"], out["dt"]
         dep = np.where(valid, tb.depth_flat.take(out["flat"]), 0)
         stats = tb.stats[rows]  # (N, S, 4)
         if cfg.drafter != "ngram":
-            stats = np.where((k == 0)[:, None, None], np.nan, stats)
+            row_k = k[:, None] if row_actions is None else self.actions_kw[row_actions, 0]  # (N, S) or (N, 1)
+            stats = np.where((row_k == 0)[..., None], np.nan, stats)
         in_system = batch + (self.arrived - self.admitted)
         self.t = self.t + dt
         t = self.t
@@ -348,7 +426,7 @@ class SpecReplayVecEnv(VecEnv):
                     self.arrived[i] = b
         self.rate = arrival_ema(self.rate, count.astype(float), np.maximum(dt, 1e-6), EMA)
         self.obs[:, INDEX["arrival_rate"]] = self.rate
-        update_step_batch(self.obs, valid, acc, dep, k, w, stats, EMA)
+        update_step_batch(self.obs, valid, acc, dep, k_feat, w_feat, stats, EMA)
         all_idx = np.arange(self.num_envs)
         self._idle_jump(all_idx)
         self._admit(all_idx)
@@ -380,11 +458,12 @@ class SpecReplayVecEnv(VecEnv):
         acc_mean = acc.sum(1) / np.maximum(batch, 1)
         queue = self.arrived - self.admitted
         cols = zip(tokens.tolist(), dt.tolist(), self.t.tolist(), k.tolist(), w.tolist(), batch.tolist(),
-                   queue.tolist(), acc_mean.tolist(), tree_tokens.tolist(), n_fin.tolist(), count.tolist())
-        for i, (tk, d, tt, kk, ww, bb, qq, am, tr, nf, cn) in enumerate(cols):
+                   queue.tolist(), acc_mean.tolist(), tree_tokens.tolist(), n_fin.tolist(), count.tolist(),
+                   out["verify_tokens"].tolist())
+        for i, (tk, d, tt, kk, ww, bb, qq, am, tr, nf, cn, vt) in enumerate(cols):
             info = {"tokens": tk, "dt": d, "time": tt, "k": kk, "w": ww, "batch_size": bb, "queue_len": qq,
-                    "accept_len_mean": am, "tree_tokens": tr, "finished": nf, "arrivals": cn,
-                    "level": self.workloads[i].level}
+                    "accept_len_mean": am, "tree_tokens": tr, "verify_tokens_per_row": vt, "finished": nf,
+                    "arrivals": cn, "level": self.workloads[i].level}
             if done[i]:
                 info["episode_summary"] = self._summary(i)
                 info["terminal_observation"] = obs[i].copy()

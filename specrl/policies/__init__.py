@@ -3,7 +3,9 @@
 Names (usable from the CLI): ``ar``, ``static:K[,W]``, ``hf-heuristic``, ``hf-constant``,
 ``hf-confidence``, ``goodput[:P | :B1=P1,B2=P2,...]`` (probe period, by batch size),
 ``sglang-ema``, ``ucb``, ``oracle``, ``controller:DIR``, ``accmodel:DIR`` (a learned acceptance
-model, ``specrl.accmodel``).
+model, ``specrl.accmodel``). Per-request policies (one (k, w) per running request, replay only):
+``goodput-rows`` (goodput's estimate per request), ``rowmodel:DIR`` (a learned per-request
+acceptance table, ``specrl.rowmodel``) and ``oracle-rows`` (their clairvoyant reference).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 from specrl.errors import ConfigError, unknown_name
 from specrl.policies.base import ActionTable, BasePolicy, Policy, PolicyContext
 
-BASELINES = ("ar", "static:4,1", "hf-heuristic", "hf-constant", "hf-confidence", "goodput", "sglang-ema", "ucb")
+BASELINES = ("ar", "static:4,1", "hf-heuristic", "hf-constant", "hf-confidence", "goodput", "sglang-ema", "ucb",
+             "goodput-rows")
 
 
 def _static(ctx: PolicyContext, arg: str) -> Any:
@@ -47,6 +50,12 @@ def _accmodel(ctx: PolicyContext, arg: str) -> Any:
     return make_accmodel(ctx, arg)
 
 
+def _rowmodel(ctx: PolicyContext, arg: str) -> Any:
+    from specrl.rowmodel import make_policy as make_rowmodel
+
+    return make_rowmodel(ctx, arg)
+
+
 def _controller(ctx: PolicyContext, arg: str) -> Any:
     from specrl.runtime.policy import ControllerPolicy
 
@@ -55,7 +64,7 @@ def _controller(ctx: PolicyContext, arg: str) -> Any:
     return ControllerPolicy(ctx, arg)
 
 
-SPEC_FORMS = ("static:K,W", "goodput:P", "goodput:B=P,...", "controller:DIR", "accmodel:DIR")
+SPEC_FORMS = ("static:K,W", "goodput:P", "goodput:B=P,...", "controller:DIR", "accmodel:DIR", "rowmodel:DIR")
 """The argument-taking names, as error messages list them beside the registry's."""
 
 REGISTRY: dict[str, Callable[[PolicyContext, str], Any]] = {
@@ -70,6 +79,9 @@ REGISTRY: dict[str, Callable[[PolicyContext, str], Any]] = {
     "oracle": _lazy("specrl.policies.oracle", "Oracle"),
     "controller": _controller,
     "accmodel": _accmodel,
+    "rowmodel": _rowmodel,
+    "oracle-rows": _lazy("specrl.rows", "RowOracle"),
+    "goodput-rows": _lazy("specrl.policies.goodput", "GoodputRows"),
 }
 
 

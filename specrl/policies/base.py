@@ -31,6 +31,7 @@ class PolicyContext:
     w_choices: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     cost_model: Any = None
     drafter: str = "ngram"
+    verify: str = "ragged"  # how the env's verify pass charges trees (EnvConfig.verify)
 
 
 @dataclass

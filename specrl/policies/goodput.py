@@ -37,6 +37,7 @@ from specrl.costs import MAX_LEVELS
 from specrl.errors import ConfigError
 from specrl.features import ACCEPT_DEPTHS, INDEX, SINCE_DRAFT_CAP
 from specrl.policies.base import BasePolicy, PolicyContext
+from specrl.rows import PerRowPolicy, RowView
 from specrl.tree import RANK_PRIOR, TreeShape, tree_shape
 
 
@@ -173,3 +174,40 @@ def parse_probe_spec(arg: str) -> dict[int, int]:
     except ValueError:
         raise ConfigError(f"goodput:{arg} is invalid. Allowed: {allowed}. Fix: e.g. goodput:16 or "
                           "goodput:1=4,8=16.") from None
+
+
+class GoodputRows(PerRowPolicy):
+    """``goodput``'s acceptance estimate, made per request: the hand-built reference for the
+    per-request policies (what per-request actions and the ragged verify give without learning).
+
+    Every row whose n-gram lookup finds a match now is expected to accept what the per-depth
+    acceptance EMAs predict through the tree model (the EMAs only count rows that drafted); a row
+    without a match proposes nothing, so it expects 0 (a draft model: every row is covered). The
+    per-row planner (``specrl.rows.plan_rows``) then picks one (k, w) per row. The probe rule is
+    goodput's: after ``probe_every`` steps in which no row drafted, the rows with a match draft
+    once with the cheapest speculative action, so stale EMAs get measured again."""
+
+    name = "goodput-rows"
+
+    def __init__(self, ctx: PolicyContext, probe_every: int = 16) -> None:
+        super().__init__(ctx)
+        if not 1 <= probe_every <= SINCE_DRAFT_CAP:
+            raise ConfigError(f"probe_every={probe_every} is outside 1..{SINCE_DRAFT_CAP}. Fix: e.g. 16.")
+        self.probe_every = probe_every
+        self._paths = PathTables([tree_shape(int(k), int(w)) if k > 0 else None for k, w in self.actions_kw])
+        spec = [a for a, (k, w) in enumerate(self.actions_kw.tolist()) if k > 0]
+        self._probe = min(spec, key=lambda a: self.actions_kw[a, 0] * self.actions_kw[a, 1]) if spec else None
+
+    def decide_rows(self, features: np.ndarray, view: RowView) -> np.ndarray:
+        feats = np.atleast_2d(features).astype(float)  # (N, F)
+        alpha = feats[:, INDEX["accept_d1"] : INDEX["accept_d1"] + ACCEPT_DEPTHS]
+        per_action = np.stack([self._paths.expected_accepted(a) for a in alpha])  # (N, A)
+        covered = view.match_len > 0 if self.ctx.drafter == "ngram" else np.ones_like(view.valid)
+        acc = np.where(covered[..., None], per_action[:, None, :], 0.0)  # (N, S, A)
+        value = np.where(view.valid[..., None], np.minimum(acc + 1.0, view.tokens_left[..., None]), 0.0)
+        choice = self.plan(value, view)
+        if self._probe is not None:
+            idle = ~(view.valid & (self.actions_kw[choice, 0] > 0)).any(1)
+            probe = idle & (feats[:, INDEX["since_draft"]] >= self.probe_every)
+            choice = np.where(probe[:, None] & covered & view.valid, self._probe, choice)
+        return choice

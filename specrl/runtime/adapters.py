@@ -18,14 +18,80 @@ import numpy as np
 from specrl.features import FeatureTracker
 
 
+class RowObserver:
+    """The ``specrl.rows.RowView`` of a live engine's running requests: what a per-request policy
+    (``rowmodel``) reads, computed as the replay tables compute it, so that a table fit on traces
+    sees the same numbers live.
+
+    Per request it keeps the copy run: for every context length L since its prompt, whether the
+    1-token n-gram lookup on the first L tokens predicted token L (one lookup per committed token,
+    done after the step that committed it). Per step and row: the lookup's match statistics, and
+    for every action the verify tokens of the tree the n-gram drafter would propose (one lookup
+    per action and row: ~50 us each on these CPUs)."""
+
+    def __init__(self, engine: Any, actions_kw: np.ndarray) -> None:
+        from specrl.drafters.ngram import MAX_NGRAM, MIN_NGRAM
+        from specrl.tree import tree_shape
+
+        self.engine = engine
+        self.actions_kw = np.asarray(actions_kw)
+        self.shapes = [tree_shape(int(k), int(w)) if k > 0 else None for k, w in self.actions_kw]
+        self.chain1 = tree_shape(1, 1)
+        self.max_ngram = getattr(engine.drafter, "max_ngram", MAX_NGRAM)
+        self.min_ngram = getattr(engine.drafter, "min_ngram", MIN_NGRAM)
+        self.ngram = getattr(engine.drafter, "name", "ngram") == "ngram"
+        self._runs: dict[int, tuple[int, int]] = {}  # rid -> (context lengths checked up to, copy run)
+
+    def view(self) -> Any:
+        from specrl.drafters.ngram import ngram_tree
+        from specrl.rows import RowView
+
+        rows = self.engine.rows
+        n, n_act = len(rows), len(self.shapes)
+        row_tokens = np.ones((1, n, n_act), np.int64)
+        match = np.zeros((1, n))
+        count = np.zeros((1, n))
+        run = np.zeros((1, n), np.int64)
+        runs: dict[int, tuple[int, int]] = {}
+        for b, r in enumerate(rows):
+            seq = r.seq
+            upto, c = self._runs.get(r.rid, (len(r.prompt), 0))
+            for length in range(upto, r.length):  # token `length` is known now: was it predicted?
+                tok, present, _, _ = ngram_tree(seq[:length], self.chain1, self.max_ngram, self.min_ngram)
+                c = c + 1 if present[1] and tok[1] == seq[length] else 0
+            runs[r.rid] = (r.length, c)
+            run[0, b] = c
+            for a, shape in enumerate(self.shapes):
+                if shape is None:
+                    continue
+                if self.ngram:
+                    _, present, ml, nm = ngram_tree(seq, shape, self.max_ngram, self.min_ngram)
+                    row_tokens[0, b, a] = int(present.sum())
+                    match[0, b], count[0, b] = ml, nm
+                else:  # a draft model fills the whole tree
+                    row_tokens[0, b, a] = shape.num_nodes + 1
+        self._runs = runs  # finished requests drop out
+        left = np.array([[r.max_new_tokens - (r.length - len(r.prompt)) for r in rows]], np.int64)
+        ctx = np.array([[r.length for r in rows]], np.int64)
+        return RowView(np.ones((1, n), bool), match, count, run, left, ctx, row_tokens)
+
+
 class EngineController:
-    """Drives a SpecEngine: ``engine.generate(prompts, n, action=EngineController(engine, policy))``."""
+    """Drives a SpecEngine: ``engine.generate(prompts, n, action=EngineController(engine, policy))``.
+
+    A per-request controller (an exported ``rowmodel``) gets every running request's observations
+    (``RowObserver``) and returns one action per request; the engine verifies them ragged."""
 
     def __init__(self, engine: Any, policy: Any) -> None:
         self.engine = engine
         self.policy = policy
         self.tracker = FeatureTracker()
         self.decisions: list[tuple[int, int]] = []
+        ctl = getattr(policy, "controller", policy)  # a Controller, or a ControllerPolicy wrapping one
+        self.rows_controller = ctl if getattr(ctl, "per_row", False) else None
+        self.observer = None
+        if self.rows_controller is not None:
+            self.observer = RowObserver(engine, self.rows_controller.rule.actions_kw)
 
     def __call__(self, last: Any) -> Any:
         from specrl.step import Action
@@ -40,6 +106,10 @@ class EngineController:
         rows = self.engine.rows
         self.tracker.update_load(len(rows), len(self.engine.waiting), [r.length for r in rows])
         self.tracker.update_probe(self.engine.probe())
+        if self.rows_controller is not None:
+            per_row = self.rows_controller.decide_rows(self.tracker.vector(), self.observer.view())
+            self.decisions.append(max(per_row, default=(0, 1)))  # the deepest row's action, as replay logs it
+            return [Action(int(k), 1 if k == 0 else int(w)) for k, w in per_row]
         k, w = self.policy.decide(self.tracker.vector())
         self.decisions.append((k, w))
         return Action(int(k), int(w))

@@ -9,8 +9,9 @@ Artifact layout (directory):
   guard (training feature range, fallback rule), provenance.
 * ``policy.safetensors``: the weights (``mlp`` only). A ``rule`` artifact of a learned acceptance
   model or decision network (``accmodel:.``) carries ``accmodel.json`` + ``accmodel.safetensors``
-  beside it, and the guard of its training range like an ``mlp``. safetensors holds raw tensors: loading it
-  cannot execute code, unlike a pickle.
+  beside it, and the guard of its training range like an ``mlp``. A per-request table
+  (``rowmodel:.``) carries ``rowmodel.json``; ``decide_rows`` then gives every running request its
+  own (k, w). safetensors holds raw tensors: loading it cannot execute code, unlike a pickle.
 
 The guard: a feature vector with NaN/inf or outside the training range (widened by ``margin``)
 is answered by the fallback rule instead of the network; any error while deciding also falls
@@ -84,6 +85,8 @@ class Controller:
         self.fallback = self._make_rule(self.fallback_name)
         # the k head's extra choice that hands the step to a rule (specrl.defer); None = no such choice
         self.defer = self._make_rule(act["defer"]) if act.get("defer") else None
+        # a per-request rule (rowmodel:.): decide_rows gives every running request its own (k, w)
+        self.per_row = bool(getattr(self.rule, "per_row", False))
 
     # ----- loading --------------------------------------------------------------------------------
     @staticmethod
@@ -113,11 +116,11 @@ class Controller:
         from specrl.policies import PolicyContext, make_policy
 
         name, _, arg = spec.partition(":")
-        if name == "accmodel" and self.path and not Path(arg).is_absolute():
-            spec = f"accmodel:{Path(self.path) / arg}"  # the model's files travel in the artifact
+        if name in ("accmodel", "rowmodel") and self.path and not Path(arg).is_absolute():
+            spec = f"{name}:{Path(self.path) / arg}"  # the model's files travel in the artifact
         cm = self.meta.get("cost_model")
         ctx = PolicyContext(self.k_choices, self.w_choices, CostModel(**_cost_args(cm)) if cm else None,
-                            self.meta.get("provenance", {}).get("drafter", "ngram"))
+                            self.meta.get("provenance", {}).get("drafter", "ngram"), self.meta.get("verify", "ragged"))
         try:
             return make_policy(spec, ctx)
         except Exception as e:  # noqa: BLE001 - any failure here means a bad artifact
@@ -175,6 +178,27 @@ class Controller:
                 return self.fallback.decide(np.nan_to_num(np.asarray(features, np.float32).reshape(-1)))
             except Exception:  # noqa: BLE001
                 return (0, 1)
+
+    def decide_rows(self, features: np.ndarray, view: Any) -> list[tuple[int, int]]:
+        """One (k, w) per running request (``view``: a one-engine ``specrl.rows.RowView``, slots =
+        the running rows in engine order). A per-request artifact plans the rows; any other
+        artifact gives every row its ``decide``. Never raises: errors give every row the fallback."""
+        n = int(view.valid.shape[1])
+        try:
+            if not self.per_row:
+                return [self.decide(features)] * n
+            x = np.asarray(features, np.float32).reshape(1, -1)
+            if x.shape[1] != NUM_FEATURES or not np.isfinite(x).all():
+                raise ValueError("bad features")
+            idx = self.rule.decide_rows(x, view)[0]  # (S,) indices into the rule's action table
+            kw = self.rule.actions_kw[idx]
+            return [(int(k), int(w)) for k, w in kw]
+        except Exception:  # noqa: BLE001 - the serving loop must not die because of the controller
+            self.fallbacks += 1
+            try:
+                return [self.fallback.decide(np.nan_to_num(np.asarray(features, np.float32).reshape(-1)))] * n
+            except Exception:  # noqa: BLE001
+                return [(0, 1)] * n
 
     def observe(self, features: np.ndarray, info: dict[str, Any]) -> None:
         """Let stateful rules (and the fallback) see what a step did."""

@@ -66,8 +66,8 @@ def export_run(run_dir: Path, out: Path, fallback: str | None = None, margin: fl
     from specrl.train import FlatActions, load_model, load_run_config, load_stats
 
     env_cfg, agent, saved = load_run_config(run_dir)
-    if agent.algo == "accmodel":  # numpy already: the model's own files travel in a rule artifact
-        return export_rule(f"accmodel:{run_dir / 'accmodel'}", env_cfg, out)
+    if agent.algo in ("accmodel", "rowmodel"):  # numpy already: the model's own files travel in a rule artifact
+        return export_rule(f"{agent.algo}:{run_dir / agent.algo}", env_cfg, out)
     model = load_model(run_dir, agent)
     layers, (hw, hb) = extract_mlp(model)
     tensors: dict[str, np.ndarray] = {}
@@ -140,8 +140,16 @@ def export_rule(rule: str, env_cfg: Any, out: Path, margin: float = 0.25) -> Pat
         cost = load_cost_model(env_cfg)
     except Exception:  # noqa: BLE001
         cost = None
-    make_policy(rule, PolicyContext(env_cfg.k_choices, env_cfg.w_choices, cost, env_cfg.drafter))  # validate
+    make_policy(rule, PolicyContext(env_cfg.k_choices, env_cfg.w_choices, cost, env_cfg.drafter, env_cfg.verify))
     guard: dict[str, Any] = {"fallback": "ar"}
+    if rule.startswith("rowmodel:"):  # a per-request table travels inside the artifact
+        import shutil
+
+        out.mkdir(parents=True, exist_ok=True)
+        src = Path(rule.partition(":")[2])
+        shutil.copyfile(src / "rowmodel.json" if src.is_dir() else src, out / "rowmodel.json")
+        rule = "rowmodel:."
+        guard = {"fallback": "goodput" if cost is not None else "ar"}  # a runtime that calls decide() only
     if rule.startswith("accmodel:"):  # a learned network travels inside the artifact
         import shutil
 
@@ -158,7 +166,7 @@ def export_rule(rule: str, env_cfg: Any, out: Path, margin: float = 0.25) -> Pat
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "rule", "rule": rule, "schema": schema(),
         "actions": {"kind": "multidiscrete", "k_choices": env_cfg.k_choices, "w_choices": env_cfg.w_choices},
         "action_rule": f"the {rule} rule", "guard": guard,
-        "cost_model": None if cost is None else cost.to_json(),
+        "cost_model": None if cost is None else cost.to_json(), "verify": env_cfg.verify,
         "provenance": {"target": env_cfg.model, "drafter": env_cfg.drafter, "exported": time.strftime("%Y-%m-%d %H:%M:%S")},
     }
     return write_artifact(out, meta, None)
@@ -168,7 +176,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", nargs="?", default=None, help="a `specrl train` run directory")
     p.add_argument("-o", "--output", default=None, help="artifact directory (default: RUN_DIR/export)")
     p.add_argument("--rule", default=None, help="export a rule instead (e.g. goodput, static:4,2, "
-                   "accmodel:DIR: a learned acceptance model, copied into the artifact)")
+                   "accmodel:DIR or rowmodel:DIR: a learned model, copied into the artifact)")
     p.add_argument("--env", default="envs/replay.yaml", help="env preset for --rule (action tables, cost model)")
     p.add_argument("--fallback", default=None, help="guard fallback rule (default: goodput if a cost model exists, else ar)")
 
