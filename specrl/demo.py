@@ -3,8 +3,9 @@
 1. prepare the replay env: record traces of the built-in prompts and profile the cost model
    (both cached: later runs skip them);
 2. train the agents (PPO, ``agents/ppo.yaml``: a behaviour clone of the ``goodput`` rule first,
-   then 500k RL steps in the demo; and the decision network fit on replay counterfactuals,
-   ``agents/decision.yaml``; ``--agent agents/accmodel.yaml`` trains the acceptance model)
+   then 500k RL steps in the demo; and the per-request acceptance table, ``agents/rowmodel.yaml``,
+   which plans one (k, w) per request for the ragged verify; ``--agent agents/decision.yaml`` or
+   ``agents/accmodel.yaml`` train the batch-level networks fit on replay counterfactuals)
    on the vectorised replay env with the training prompts;
 3. evaluate each beside every baseline and the oracle on the held-out prompts over a load sweep
    (3 arrival seeds), writing the table and plots;
@@ -24,7 +25,7 @@ DEMO_SB3_TIMESTEPS = 500_000
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", default="envs/replay.yaml")
-    p.add_argument("--agent", default="agents/ppo.yaml,agents/decision.yaml",
+    p.add_argument("--agent", default="agents/ppo.yaml,agents/rowmodel.yaml",
                    help="agent preset(s), comma-separated: each is trained, evaluated, exported")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="env or agent.* overrides")
     p.add_argument("--seed", type=int, default=0)
@@ -64,9 +65,11 @@ def run(args: argparse.Namespace) -> int:
         done.append((Path(agent).stem, run_dir, out, summary["eval"]))
         ov = summary["eval"]["overall"]
         best = max((v, k) for k, v in ov.items() if k != "learned" and not k.startswith("oracle"))
+        rows_ref = (f", per-request oracle {ov['oracle-rows']:.1f} (learned = {ov['learned'] / ov['oracle-rows']:.2f} of it)"
+                    if "oracle-rows" in ov else "")
         print(f"\n{Path(agent).stem}, held-out evaluation, goodput (tokens/s, geometric mean over loads): learned "
               f"{ov['learned']:.1f}, best baseline {best[1]} {best[0]:.1f} ({ov['learned'] / best[0]:.3f}x), oracle "
-              f"{ov['oracle']:.1f} (learned = {ov['learned'] / ov['oracle']:.2f} of oracle)")
+              f"{ov['oracle']:.1f} (learned = {ov['learned'] / ov['oracle']:.2f} of oracle){rows_ref}")
         print(Path(summary["eval"]["table"]).read_text())
         if args.live_prompts:
             live_check(run_dir, out, args.live_prompts)
@@ -88,7 +91,7 @@ def demo_overrides(agent: str, overrides: list[str], sb3_timesteps: int) -> list
 
     if not sb3_timesteps or any(o.startswith("agent.total_timesteps=") for o in overrides):
         return list(overrides)
-    if load_agent_config(agent).algo == "accmodel":
+    if load_agent_config(agent).algo in ("accmodel", "rowmodel"):
         return list(overrides)
     return [*overrides, f"agent.total_timesteps={sb3_timesteps}"]
 

@@ -114,6 +114,8 @@ class SpecEngine:
         self._finished: list[Request] = []
         self._next_rid = 0
         self._tree_cache: dict[tuple, tuple[TreeShape, TreeTensors]] = {}
+        # verify passes by kind: "padded", "packed" (one attention call), "packed-runs" (per-run attention)
+        self.pass_counts: dict[str, int] = {"padded": 0, "packed": 0, "packed-runs": 0}
 
     # ----- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, rid: int | None = None) -> int:
@@ -205,6 +207,23 @@ class SpecEngine:
             hit = self._tree_cache[paths] = (sub, TreeTensors.of(sub, self.device))
         return hit
 
+    def _attention_runs(self, wanted: np.ndarray) -> list | None:
+        """Runs of consecutive rows asking for the same nodes, for a packed pass's attention, or
+        None (one padded call) when padding the queries to the union tree wastes little: every
+        extra call costs ~20 us per layer, a padded query row a pass over its row's context."""
+        bsz, n = wanted.shape
+        count = wanted.sum(axis=1)  # (B,)
+        if bsz * n <= 2 * int(count.sum()):
+            return None
+        runs, off, b0 = [], 0, 0
+        for b in range(1, bsz + 1):
+            if b == bsz or not np.array_equal(wanted[b], wanted[b0]):
+                ids = torch.from_numpy(np.flatnonzero(wanted[b0])).to(self.device)
+                runs.append((b0, b, off, int(count[b0]), ids))
+                off += (b - b0) * int(count[b0])
+                b0 = b
+        return runs
+
     @torch.inference_mode()
     def step(self, action: ActionLike = Action(0, 1)) -> StepResult:
         """Admit waiting requests, draft with ``action``, verify in one target pass, commit."""
@@ -263,23 +282,32 @@ class SpecEngine:
                 asked if kept is None else asked[:, kept])
             if wanted.all():
                 wanted = None  # every row asked for the whole union: nothing to pack away
+        choice = None
         if wanted is None:
             logits, _ = self.cache.forward(self.pair.target, draft.tokens, pos, tail, base)  # (B, n, V)
             verify_tokens = bsz * n
+            self.pass_counts["padded"] += 1
         else:
             rows_h, nodes_h = np.nonzero(wanted)  # (N,) each, row-major
             rows_t, nodes_t = torch.from_numpy(rows_h).to(dev), torch.from_numpy(nodes_h).to(dev)
+            runs = self._attention_runs(wanted)
+            self.pass_counts["packed" if runs is None else "packed-runs"] += 1
             packed_logits, _ = self.cache.forward(
                 self.pair.target, draft.tokens[rows_t, nodes_t][None], pos[rows_t, nodes_t][None], tail, base,
-                pack=(rows_t, nodes_t),
+                pack=(rows_t, nodes_t, runs),
             )  # (1, N, V)
-            logits = packed_logits.new_zeros(bsz, n, packed_logits.shape[-1])  # (B, n, V)
-            logits[rows_t, nodes_t] = packed_logits[0]
+            if self.sampling.greedy:  # greedy reads the argmax only: no (B, n, V) buffer
+                logits = None
+                choice = torch.zeros(bsz, n, dtype=torch.long, device=dev)  # (B, n)
+                choice[rows_t, nodes_t] = packed_logits[0].argmax(dim=-1)
+            else:
+                logits = packed_logits.new_zeros(bsz, n, packed_logits.shape[-1])  # (B, n, V)
+                logits[rows_t, nodes_t] = packed_logits[0]
             # a node a row did not ask for was never computed: it must not count as proposed
             draft = Draft(draft.tokens, draft.present & torch.from_numpy(wanted).to(dev), draft.probs,
                           draft.top1, draft.entropy, draft.match_len, draft.num_matches)
             verify_tokens = int(rows_h.size)
-        out = verify(tree, draft.tokens, draft.present, logits, draft.probs, self.sampling, self.generator)
+        out = verify(tree, draft.tokens, draft.present, logits, draft.probs, self.sampling, self.generator, choice)
         node_tokens = draft.tokens.gather(1, out.path.clamp_min(0))  # (B, D+1), [:, 0] = root
         depth_drafted = torch.where(draft.present, tree.depth[None, :], 0).max(dim=1).values  # (B,)
         packed = torch.cat(

@@ -63,7 +63,7 @@ class RaggedKVCache:
         _, heads, n, dim = key_states.shape
         bsz = key_states.shape[0]
         if self._pack is not None:
-            rows, nodes, bsz, n = self._pack
+            rows, nodes, bsz, n, _ = self._pack
         if layer_idx >= len(self.keys):
             cap_t = max(64, 2 * (self.T + n))
             cap_b = max(bsz, self.B)
@@ -121,7 +121,7 @@ class RaggedKVCache:
         base: int,
         output_hidden: bool = False,
         logits_to_keep: int = 0,
-        pack: tuple[torch.Tensor, torch.Tensor] | None = None,
+        pack: tuple[torch.Tensor, torch.Tensor, list | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``model`` on new tokens; columns < base use ``valid``, columns >= base ``tail_mask``.
 
@@ -130,16 +130,18 @@ class RaggedKVCache:
         computes logits for the last m positions only (B, m, V): a prefill needs none, and the
         output head over every prompt token was ~20% of its compute.
 
-        ``pack=(rows, nodes)`` (each (N,) long) runs a *ragged* pass: ``input_ids`` and
-        ``position_ids`` are (1, N), token i belongs to row ``rows[i]`` at tree slot ``nodes[i]``
-        of the (B, n) layout that ``tail_mask`` describes. The linear layers and the output head
-        then see N token rows instead of B * n (the padding of rows that asked for smaller trees
-        is never computed); only the attention runs on the (B, n) layout (``specrl.attention``).
-        Returns (1, N, V) logits. Needs a model using ``specrl_sdpa`` attention.
+        ``pack=(rows, nodes, runs)`` (rows, nodes: (N,) long, row-major) runs a *ragged* pass:
+        ``input_ids`` and ``position_ids`` are (1, N), token i belongs to row ``rows[i]`` at tree slot
+        ``nodes[i]`` of the (B, n) layout that ``tail_mask`` describes. The linear layers and the
+        output head then see N token rows instead of B * n (the padding of rows that asked for
+        smaller trees is never computed). Attention (``specrl.attention``) either unpacks the
+        queries to the (B, n) layout for one call (``runs=None``) or, given ``runs`` of consecutive
+        rows with the same nodes, attends run by run without padding. Returns (1, N, V) logits.
+        Needs a model using ``specrl_sdpa`` attention.
         """
         if pack is not None:
             bsz, n = tail_mask.shape[0], tail_mask.shape[1]
-            self._pack = (pack[0], pack[1], bsz, n)
+            self._pack = (pack[0], pack[1], bsz, n, pack[2])
         else:
             bsz, n = input_ids.shape
         if self.valid.device != input_ids.device:

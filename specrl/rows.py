@@ -77,21 +77,23 @@ def action_levels(actions_kw: np.ndarray) -> np.ndarray:
 
 
 def plan_rows(value: np.ndarray, view: RowView, cost: object, drafter: str, actions_kw: np.ndarray,
-              verify: str = "ragged", iters: int = 4) -> np.ndarray:
+              verify: str = "ragged", iters: int = 4, levels_a: np.ndarray | None = None) -> np.ndarray:
     """(N, S) per-row action indices maximising sum(value) / step seconds (module docstring).
 
     ``value`` (N, S, A): expected committed tokens per row and action (0 in free slots).
     ``cost``: the CostModel that charges the step (decode work only: prefill is the same for
     every choice). ``verify``: ragged charges each row its own tree at the batch's mean tokens per
-    row; padded the union (where per-row choices rarely pay). ``iters=-1``: batch-level only."""
+    row; padded the union (where per-row choices rarely pay). ``iters=-1``: batch-level only.
+    ``levels_a``: ``action_levels(actions_kw)``, precomputed by callers that plan every step."""
     valid = view.valid
     n_env, n_slot, n_act = value.shape
     batch = np.maximum(valid.sum(1), 1)  # (N,)
     ctx = np.where(valid, view.context, 0).sum(1) / batch  # (N,)
     row_tok = view.row_tokens.astype(np.float64)  # (N, S, A)
-    levels_a = action_levels(actions_kw)  # (A, L)
+    levels_a = action_levels(actions_kw) if levels_a is None else levels_a  # (A, L)
     drafts = actions_kw[:, 0] > 0  # (A,)
     a0 = int(np.flatnonzero(actions_kw[:, 0] == 0)[0])
+    any_row = valid.any(1)  # (N,)
 
     def seconds(choice: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(step seconds, mean verify tokens per row) of per-row choices (N, S)."""
@@ -102,18 +104,17 @@ def plan_rows(value: np.ndarray, view: RowView, cost: object, drafter: str, acti
         zeros = np.zeros(n_env)
         return cost.step_time_batch(drafter, drafted, batch, np.maximum(mean, 1.0), lv, ctx, zeros, zeros), mean
 
-    def goodput(choice: np.ndarray) -> np.ndarray:
-        tot = np.where(valid, np.take_along_axis(value, choice[..., None], 2)[..., 0], 0.0).sum(1)
-        return tot / np.maximum(seconds(choice)[0], 1e-12)
-
-    best = np.full((n_env, n_slot), a0)
-    best_g = np.full(n_env, -np.inf)
-    for a in range(n_act):  # every batch-level action is a candidate
-        cand = np.full((n_env, n_slot), a)
-        g = goodput(cand)
-        better = g > best_g
-        best_g = np.where(better, g, best_g)
-        best[better] = cand[better]
+    # every batch-level action is a candidate, all timed in one call: (N, A)
+    lv_b = np.where(any_row[:, None, None], levels_a[None], 0.0)  # (N, A, L)
+    mean_b = (np.where(valid[..., None], row_tok, 0.0).sum(1) / batch[:, None] if verify == "ragged"
+              else 1 + lv_b.sum(2))
+    zeros = np.zeros(n_env * n_act)
+    secs_b = cost.step_time_batch(drafter, (any_row[:, None] & drafts[None]).ravel(), np.repeat(batch, n_act),
+                                  np.maximum(mean_b, 1.0).ravel(), lv_b.reshape(n_env * n_act, -1),
+                                  np.repeat(ctx, n_act), zeros, zeros).reshape(n_env, n_act)
+    g_b = np.where(valid[..., None], value, 0.0).sum(1) / np.maximum(secs_b, 1e-12)  # (N, A)
+    best = np.repeat(g_b.argmax(1)[:, None], n_slot, axis=1)  # (N, S)
+    best_g = g_b.max(1)
     choice = best.copy()
     for _ in range(iters + 1 if iters >= 0 else 0):
         dt, mean = seconds(choice)
@@ -139,6 +140,7 @@ class PerRowPolicy(BasePolicy):
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
         self.actions_kw = np.asarray(action_table(ctx.k_choices, ctx.w_choices))  # the env's action order
+        self.levels_a = action_levels(self.actions_kw)  # (A, MAX_LEVELS)
         if ctx.cost_model is None:
             raise ConfigError(f"{self.name} plans with the cost model, but the policy context has none. "
                               "Fix: build it with specrl.envs.config.policy_context(env_cfg).")
@@ -149,7 +151,8 @@ class PerRowPolicy(BasePolicy):
                           "the live env has no per-request adapter yet.")
 
     def plan(self, value: np.ndarray, view: RowView) -> np.ndarray:
-        return plan_rows(value, view, self.ctx.cost_model, self.ctx.drafter, self.actions_kw, self.ctx.verify)
+        return plan_rows(value, view, self.ctx.cost_model, self.ctx.drafter, self.actions_kw, self.ctx.verify,
+                         levels_a=self.levels_a)
 
 
 class RowOracle(PerRowPolicy):

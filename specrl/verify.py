@@ -85,9 +85,10 @@ def verify_greedy(
     tree: TreeTensors,
     tokens: torch.Tensor,  # (B, n) long, tokens[:, 0] = root
     present: torch.Tensor,  # (B, n) bool, absent nodes are never accepted
-    target_logits: torch.Tensor,  # (B, n, V)
+    target_logits: torch.Tensor | None,  # (B, n, V)
+    target_choice: torch.Tensor | None = None,  # (B, n) its argmax, when the caller has it already
 ) -> VerifyOutput:
-    choice = target_logits.argmax(dim=-1)  # (B, n): the target's token after each node
+    choice = target_logits.argmax(dim=-1) if target_choice is None else target_choice  # (B, n): the target's token after each node
     match = (tokens == choice[:, tree.parent]) & present  # (B, n)
     match[:, 0] = True
     # a node is accepted iff every node on its root path matches
@@ -169,12 +170,14 @@ def verify(
     tree: TreeTensors,
     tokens: torch.Tensor,
     present: torch.Tensor,
-    target_logits: torch.Tensor,
+    target_logits: torch.Tensor | None,
     draft_probs: torch.Tensor | None,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    target_choice: torch.Tensor | None = None,
 ) -> VerifyOutput:
-    """Dispatch on the sampling mode (see the module docstring for the method)."""
+    """Dispatch on the sampling mode (see the module docstring for the method). Greedy needs only
+    the target's argmax per node: ``target_choice`` (B, n) may replace ``target_logits``."""
     if params.greedy:
-        return verify_greedy(tree, tokens, present, target_logits)
+        return verify_greedy(tree, tokens, present, target_logits, target_choice)
     return verify_sampling(tree, tokens, present, target_logits, draft_probs, params, generator)

@@ -48,3 +48,27 @@ def test_ngram_tree_sets_root_and_chain_uses_first_match():
     assert tokens[0] == 2 and present.all()
     assert tokens[1:].tolist() == [3, 5]  # most recent match of (1, 2) is followed by 3 5
     assert match_len == 2 and count == 2
+
+
+def test_tree_sizes_equal_ngram_tree_for_every_action():
+    """One shared suffix scan gives every action's tree size, match statistics and the 1-token
+    prediction exactly as separate ngram_tree / lookup calls do (small vocabularies: many ties)."""
+    import numpy as np
+
+    from specrl.drafters.ngram import lookup, ngram_tree, tree_sizes
+    from specrl.replay import action_table
+    from specrl.tree import tree_shape
+
+    shapes = [tree_shape(k, w) if k else None for k, w in action_table([0, 1, 2, 3, 4, 6, 8], [1, 2, 3, 4])]
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        seq = rng.integers(0, int(rng.integers(2, 20)), size=int(rng.integers(1, 200)))
+        sizes, ml, nm, pred = tree_sizes(seq, shapes)
+        first = lookup(seq, 1, max_continuations=1)
+        assert pred == (int(first.continuations[0][0]) if first.continuations else -1)
+        for a, shape in enumerate(shapes):
+            if shape is None:
+                assert sizes[a] == 1
+                continue
+            _, present, m2, n2 = ngram_tree(seq, shape)
+            assert (sizes[a], ml, nm) == (present.sum(), m2, n2)

@@ -325,5 +325,6 @@ def test_demo_budget_applies_to_sb3_agents_only_and_yields_to_the_user():
     assert demo_overrides("agents/ppo.yaml", ["seed=1"], 500_000) == ["seed=1", "agent.total_timesteps=500000"]
     assert demo_overrides("agents/accmodel.yaml", [], 500_000) == []
     assert demo_overrides("agents/decision.yaml", [], 500_000) == []
+    assert demo_overrides("agents/rowmodel.yaml", [], 500_000) == []
     assert demo_overrides("agents/ppo.yaml", ["agent.total_timesteps=64"], 500_000) == ["agent.total_timesteps=64"]
     assert demo_overrides("agents/ppo.yaml", [], 0) == []

@@ -26,8 +26,8 @@ class RowObserver:
     Per request it keeps the copy run: for every context length L since its prompt, whether the
     1-token n-gram lookup on the first L tokens predicted token L (one lookup per committed token,
     done after the step that committed it). Per step and row: the lookup's match statistics, and
-    for every action the verify tokens of the tree the n-gram drafter would propose (one lookup
-    per action and row: ~50 us each on these CPUs)."""
+    for every action the verify tokens of the tree the n-gram drafter would propose
+    (``tree_sizes``: one shared suffix scan per row)."""
 
     def __init__(self, engine: Any, actions_kw: np.ndarray) -> None:
         from specrl.drafters.ngram import MAX_NGRAM, MIN_NGRAM
@@ -36,14 +36,14 @@ class RowObserver:
         self.engine = engine
         self.actions_kw = np.asarray(actions_kw)
         self.shapes = [tree_shape(int(k), int(w)) if k > 0 else None for k, w in self.actions_kw]
-        self.chain1 = tree_shape(1, 1)
         self.max_ngram = getattr(engine.drafter, "max_ngram", MAX_NGRAM)
         self.min_ngram = getattr(engine.drafter, "min_ngram", MIN_NGRAM)
         self.ngram = getattr(engine.drafter, "name", "ngram") == "ngram"
-        self._runs: dict[int, tuple[int, int]] = {}  # rid -> (context lengths checked up to, copy run)
+        # rid -> (context lengths checked up to, copy run, the 1-token prediction at that length or -1)
+        self._runs: dict[int, tuple[int, int, int]] = {}
 
     def view(self) -> Any:
-        from specrl.drafters.ngram import ngram_tree
+        from specrl.drafters.ngram import lookup, tree_sizes
         from specrl.rows import RowView
 
         rows = self.engine.rows
@@ -52,24 +52,23 @@ class RowObserver:
         match = np.zeros((1, n))
         count = np.zeros((1, n))
         run = np.zeros((1, n), np.int64)
-        runs: dict[int, tuple[int, int]] = {}
+        runs: dict[int, tuple[int, int, int]] = {}
         for b, r in enumerate(rows):
             seq = r.seq
-            upto, c = self._runs.get(r.rid, (len(r.prompt), 0))
+            upto, c, pred = self._runs.get(r.rid, (len(r.prompt), 0, -2))
             for length in range(upto, r.length):  # token `length` is known now: was it predicted?
-                tok, present, _, _ = ngram_tree(seq[:length], self.chain1, self.max_ngram, self.min_ngram)
-                c = c + 1 if present[1] and tok[1] == seq[length] else 0
-            runs[r.rid] = (r.length, c)
+                if pred == -2 or length > upto:  # not known from the last step's scan: look it up
+                    found = lookup(seq[:length], 1, self.max_ngram, self.min_ngram, max_continuations=1)
+                    pred = int(found.continuations[0][0]) if found.continuations else -1
+                c = c + 1 if pred == seq[length] else 0
             run[0, b] = c
-            for a, shape in enumerate(self.shapes):
-                if shape is None:
-                    continue
-                if self.ngram:
-                    _, present, ml, nm = ngram_tree(seq, shape, self.max_ngram, self.min_ngram)
-                    row_tokens[0, b, a] = int(present.sum())
-                    match[0, b], count[0, b] = ml, nm
-                else:  # a draft model fills the whole tree
-                    row_tokens[0, b, a] = shape.num_nodes + 1
+            pred = -2
+            if self.ngram:
+                row_tokens[0, b], match[0, b], count[0, b], pred = tree_sizes(seq, self.shapes, self.max_ngram,
+                                                                               self.min_ngram)
+            else:  # a draft model fills the whole tree
+                row_tokens[0, b] = [1 if s is None else s.num_nodes + 1 for s in self.shapes]
+            runs[r.rid] = (r.length, c, pred)
         self._runs = runs  # finished requests drop out
         left = np.array([[r.max_new_tokens - (r.length - len(r.prompt)) for r in rows]], np.int64)
         ctx = np.array([[r.length for r in rows]], np.int64)
