@@ -107,6 +107,14 @@ class SpecEngine:
 
         # packing needs the attention function that unpacks queries to their rows
         self.ragged = ragged and getattr(pair.target.config, "_attn_implementation", None) == _packable_attention
+        if ragged and not self.ragged:
+            import warnings
+
+            warnings.warn(f"The target's attention implementation is "
+                          f"{getattr(pair.target.config, '_attn_implementation', None)!r}, not {_packable_attention!r}: "
+                          "verify passes stay padded, while replay envs with verify: ragged charge packed ones. "
+                          "Fix: load the model with attn_implementation='sdpa' (ModelPair switches it), or set "
+                          "verify: padded.", stacklevel=2)
         self.eos = frozenset(pair.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.cache = RaggedKVCache()
         self.rows: list[Request] = []  # running requests, row order = cache row order
@@ -213,7 +221,8 @@ class SpecEngine:
         extra call costs ~20 us per layer, a padded query row a pass over its row's context."""
         bsz, n = wanted.shape
         count = wanted.sum(axis=1)  # (B,)
-        if bsz * n <= 2 * int(count.sum()):
+        if self.device.type != "cpu" or bsz * n <= 2 * int(count.sum()):
+            # (CUDA: masked GQA attention per run would take the slow math kernel; unmeasured there)
             return None
         runs, off, b0 = [], 0, 0
         for b in range(1, bsz + 1):

@@ -48,7 +48,7 @@ class RaggedKVCache:
         self.waste_limit = waste_limit
         self.min_compact_len = min_compact_len
         self._pending = 0  # tokens being written by the current forward
-        self._pack: tuple[torch.Tensor, torch.Tensor, int, int] | None = None  # packed forward in flight
+        self._pack: tuple[torch.Tensor, torch.Tensor, int, int, list | None] | None = None  # packed forward in flight
         self._kwarg: str | None = None
 
     # ----- the duck-typed transformers Cache interface ------------------------------------

@@ -13,9 +13,10 @@ acceptance with the n-gram drafter (``benchmarks/headroom.py``), the table fits 
 cannot extrapolate wildly, and is read by a numpy lookup at run time. The artifact is JSON
 (``rowmodel.json``); no pickle.
 
-Scope: per-request policies run in the vectorised replay env (``specrl evaluate``, ``specrl
-train --agent agents/rowmodel.yaml``). The live engine takes per-request actions and verifies
-them ragged, but no live adapter builds a ``RowView`` from the engine yet.
+Scope: the n-gram drafter (its buckets are n-gram statistics). Per-request policies run in the
+vectorised replay env (``specrl evaluate``, ``specrl train --agent agents/rowmodel.yaml``) and,
+exported, on the live engine (``specrl.runtime.adapters.EngineController`` with ``RowObserver``);
+the live Gym env still takes one action per step.
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ class RowModelPolicy(PerRowPolicy):
 
     def __init__(self, ctx: PolicyContext, path: str | Path) -> None:
         super().__init__(ctx)
+        if ctx.drafter != "ngram":
+            raise ConfigError(f"rowmodel reads n-gram match statistics and copy runs, but the drafter is "
+                              f"{ctx.drafter!r}. Fix: use it with drafter: ngram.")
         art = load(path)
         have = {tuple(kw): a for a, kw in enumerate(art["actions"])}
         missing = [tuple(map(int, kw)) for kw in self.actions_kw.tolist() if tuple(kw) not in have]

@@ -84,7 +84,8 @@ def plan_rows(value: np.ndarray, view: RowView, cost: object, drafter: str, acti
     ``cost``: the CostModel that charges the step (decode work only: prefill is the same for
     every choice). ``verify``: ragged charges each row its own tree at the batch's mean tokens per
     row; padded the union (where per-row choices rarely pay). ``iters=-1``: batch-level only.
-    ``levels_a``: ``action_levels(actions_kw)``, precomputed by callers that plan every step."""
+    ``levels_a``: ``action_levels(actions_kw)``, precomputed by callers that plan every step.
+    ``iters``: per-row plans tried after the best batch-level action (each one exactly timed)."""
     valid = view.valid
     n_env, n_slot, n_act = value.shape
     batch = np.maximum(valid.sum(1), 1)  # (N,)
@@ -115,18 +116,19 @@ def plan_rows(value: np.ndarray, view: RowView, cost: object, drafter: str, acti
     g_b = np.where(valid[..., None], value, 0.0).sum(1) / np.maximum(secs_b, 1e-12)  # (N, A)
     best = np.repeat(g_b.argmax(1)[:, None], n_slot, axis=1)  # (N, S)
     best_g = g_b.max(1)
-    choice = best.copy()
-    for _ in range(iters + 1 if iters >= 0 else 0):
+    choice, lam = best.copy(), best_g.copy()
+    mean = np.take_along_axis(mean_b, choice[:, :1], 1)[:, 0]  # (N,) of the batch-level start
+    for _ in range(max(iters, 0)):  # each iteration plans per row and times that plan exactly
+        lo = np.clip(np.floor(mean), 1, 64)
+        per_tok = np.maximum(cost.verify_time(batch, lo + 1, ctx) - cost.verify_time(batch, lo, ctx), 0.0) / batch
+        choice = np.argmax(value - (lam * per_tok)[:, None, None] * row_tok, axis=2)
+        choice = np.where(valid, choice, a0)
         dt, mean = seconds(choice)
         tot = np.where(valid, np.take_along_axis(value, choice[..., None], 2)[..., 0], 0.0).sum(1)
         lam = tot / np.maximum(dt, 1e-12)
         better = lam > best_g
         best_g = np.where(better, lam, best_g)
         best[better] = choice[better]
-        lo = np.clip(np.floor(mean), 1, 64)
-        per_tok = np.maximum(cost.verify_time(batch, lo + 1, ctx) - cost.verify_time(batch, lo, ctx), 0.0) / batch
-        choice = np.argmax(value - (lam * per_tok)[:, None, None] * row_tok, axis=2)
-        choice = np.where(valid, choice, a0)
     return np.where(valid, best, a0)
 
 
@@ -144,6 +146,9 @@ class PerRowPolicy(BasePolicy):
         if ctx.cost_model is None:
             raise ConfigError(f"{self.name} plans with the cost model, but the policy context has none. "
                               "Fix: build it with specrl.envs.config.policy_context(env_cfg).")
+        if 0 not in ctx.k_choices:
+            raise ConfigError(f"{self.name} gives a row k = 0 when drafting does not pay, but k_choices="
+                              f"{ctx.k_choices} has no 0. Fix: add 0 to k_choices.")
 
     def decide(self, features: np.ndarray) -> tuple[int, int]:
         raise ConfigError(f"{self.name!r} chooses one (k, w) per request and needs each request's observations. "

@@ -661,6 +661,9 @@ def _train_rowmodel(env_cfg: Any, agent: AgentConfig, run_dir: Path, tracker: An
     if env_cfg.backend != "replay":
         raise ConfigError(f"algo 'rowmodel' fits on replay traces, but the env's backend is {env_cfg.backend!r}. "
                           "Fix: --env envs/replay.yaml (or set backend: replay).")
+    if env_cfg.drafter != "ngram":
+        raise ConfigError(f"algo 'rowmodel' buckets rows by n-gram statistics, but the env's drafter is "
+                          f"{env_cfg.drafter!r}. Fix: set drafter: ngram.")
     t0 = time.perf_counter()
     _, _, rows, tables = load_replay_data(env_cfg)  # the env's prompt split: its training prompts
     art = rowmodel.fit(tables, np.asarray(rows), action_table(env_cfg.k_choices, env_cfg.w_choices),

@@ -211,11 +211,16 @@ def test_per_request_policies_run_in_the_evaluation_harness(cfg, tmp_path):
 
     _, _, rows, tables = load_replay_data(cfg)
     rowmodel.save(rowmodel.fit(tables, np.asarray(rows), action_table(cfg.k_choices, cfg.w_choices)), tmp_path / "rm")
-    names = ["goodput", "goodput-rows", f"rowmodel:{tmp_path / 'rm'}", "oracle-rows"]
+    from specrl.runtime.export import export_rule
+
+    ctl = export_rule(f"rowmodel:{tmp_path / 'rm'}", cfg, tmp_path / "ctl")
+    names = ["goodput", "goodput-rows", f"rowmodel:{tmp_path / 'rm'}", "oracle-rows", f"controller:{ctl}"]
     res = evaluate(cfg, names, parse_loads(["closed:1,4"]), [0, 1], None, progress=False)
     for pol in ("goodput", "goodput-rows", "rowmodel", "oracle-rows"):
         assert all(res["by_load"][lab][pol] > 0 for lab in ("closed:1", "closed:4")), pol
     assert res["by_load"]["closed:4"]["rowmodel"] != res["by_load"]["closed:4"]["goodput"]
+    # the exported artifact plans per request too (not its batch-level fallback): same episodes
+    assert res["by_load"]["closed:4"][f"controller:{ctl}"] == res["by_load"]["closed:4"]["rowmodel"]
     with pytest.raises(ConfigError, match="per request"):
         evaluate(cfg, ["goodput-rows"], parse_loads(["closed:1"]), [0], None, live=True, progress=False)
 
@@ -237,24 +242,36 @@ def test_live_row_observer_sees_what_the_replay_tables_hold(tiny_traces):
     run = copy_runs(tables.offsets, tables.accept[:, a11] > 0)
     eng = SpecEngine(pair, drafter="ngram", eos_token_ids=())
     obs = RowObserver(eng, np.asarray(kw))
-    prompt_of = {eng.add_request(traces.prompt_ids[p], 30): p for p in range(3)}
+    # each request runs to its trace's end, so every row has a trace position to compare with
+    prompt_of = {eng.add_request(traces.prompt_ids[p], int(tables.cont_len[p])): p for p in range(4)}
     rng = np.random.default_rng(0)
-    checked = 0
+    checked = mixed = 0
     while eng.has_work():
         eng.admit()
         view = obs.view()
+        at = []  # (trace row or None, action index) per running row
         for b, r in enumerate(eng.rows):
             p, g = prompt_of[r.rid], r.length - len(r.prompt)
-            if g >= tables.cont_len[p]:
+            row = tables.offsets[p] + g if g < tables.cont_len[p] else None
+            at.append([row, int(rng.integers(len(kw))), r.max_new_tokens - g, int(tables.cont_len[p]) - g])
+            if row is None:
                 continue
-            row = tables.offsets[p] + g
             assert view.copy_run[0, b] == run[row], (p, g)
             assert view.match_len[0, b] == tables.match_len[row] and view.num_matches[0, b] == tables.num_matches[row]
             assert np.array_equal(view.row_tokens[0, b], 1 + popcount64(tables.mask[row])), (p, g)
             checked += 1
-        eng.step([Action(*kw[int(rng.integers(len(kw)))]) for _ in eng.rows])
+        res = eng.step([Action(*kw[a]) for _, a, _, _ in at])
+        # the engine's per-row drafts are the replay tables' own-action drafts (not the union's)
+        if all(row is not None for row, _, _, _ in at):
+            rows_a = [(row, a) for row, a, _, _ in at]
+            want = sum(1 + int(popcount64(tables.mask[row, a])) for row, a in rows_a)
+            assert res.verify_rows == want
+            for b, (row, a, room, cont) in enumerate(at):
+                if tables.accept[row, a] + 1 <= min(room, cont):
+                    assert res.accept_len[b] == tables.accept[row, a], (b, kw[a])
+            mixed += len({a for _, a in rows_a}) > 1
         eng.pop_finished()
-    assert checked > 30
+    assert checked > 30 and mixed > 5
 
 
 def test_exported_rowmodel_controller_plans_rows_live_and_stays_lossless(cfg, tiny_traces, tmp_path):
@@ -298,3 +315,21 @@ def test_exported_rowmodel_controller_plans_rows_live_and_stays_lossless(cfg, ti
     out = eng.generate(prompts, 24, action=driver, batch_size=4, on_step=lambda res: acts.append(res.actions))
     assert [r.output.tolist() for r in out] == plain
     assert any(len(set(a)) > 1 for a in acts)  # rows really got different actions
+
+
+def test_per_request_policies_refuse_what_they_cannot_plan(cfg, tmp_path):
+    from specrl import rowmodel
+    from specrl.engine import SpecEngine
+    from specrl.envs.replay import load_replay_data
+    from specrl.replay import action_table
+    from specrl.runtime.adapters import EngineController
+
+    with pytest.raises(ConfigError, match="no 0"):
+        make_policy("goodput-rows", policy_context(replace(cfg, k_choices=[1, 2, 4])))
+    _, _, rows, tables = load_replay_data(cfg)
+    rowmodel.save(rowmodel.fit(tables, np.asarray(rows), action_table(cfg.k_choices, cfg.w_choices)), tmp_path / "rm")
+    with pytest.raises(ConfigError, match="drafter"):
+        make_policy(f"rowmodel:{tmp_path / 'rm'}", policy_context(replace(cfg, drafter="model")))
+    pol = make_policy(f"rowmodel:{tmp_path / 'rm'}", policy_context(cfg))
+    with pytest.raises(ConfigError, match="not an exported controller"):
+        EngineController(SpecEngine.__new__(SpecEngine), pol)

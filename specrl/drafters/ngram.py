@@ -218,8 +218,28 @@ class NGramDrafter:
         tokens = np.zeros((bsz, n), dtype=np.int64)
         have = np.zeros((bsz, n), dtype=bool)
         stats = np.zeros((bsz, 2), dtype=np.float32)
+        # each row drafts its own shape (the nodes it asked for), not the batch's union: the trie
+        # depends on the tree's depth and on how many continuations it takes, so a (1, 2) row beside
+        # a (4, 1) row would otherwise get other branches than it gets alone (and than replay has)
+        own: dict[bytes, tuple[TreeShape, np.ndarray]] = {}
         for b, seq in enumerate(seqs):
-            tokens[b], have[b], match_len, num_matches = ngram_tree(seq, shape, self.max_ngram, self.min_ngram)
+            key = present[b].tobytes()
+            if key not in own:
+                asked = np.flatnonzero(present[b])
+                if asked.size == n:
+                    own[key] = (shape, np.arange(n))
+                else:
+                    sub = TreeShape.from_paths([shape.paths[i] for i in asked])
+                    where = shape.index()
+                    own[key] = (sub, np.array([where[p] for p in sub.paths]))
+            sub, slots = own[key]
+            if sub.num_nodes == 0:  # a k = 0 row: nothing to draft, but its match statistics as a probe's
+                found = lookup(seq, 1, self.max_ngram, self.min_ngram, max_continuations=1)
+                tokens[b, 0], have[b, 0] = seq[-1], True
+                stats[b] = (found.match_len, found.num_matches)
+                continue
+            t, h, match_len, num_matches = ngram_tree(seq, sub, self.max_ngram, self.min_ngram)
+            tokens[b, slots], have[b, slots] = t, h
             stats[b] = (match_len, num_matches)
         st = torch.from_numpy(stats).to(self.device)
         zeros = torch.zeros(bsz, device=self.device)

@@ -287,7 +287,8 @@ class SpecReplayVecEnv(VecEnv):
         cfg, tb = self.cfg, self.tables
         valid = self.active.copy()  # (N, S)
         a_row = np.broadcast_to(a_idx[:, None], valid.shape) if row_actions is None else row_actions  # (N, S)
-        drafted = (self.actions_kw[a_row, 0] > 0).any(1) if row_actions is not None else self.actions_kw[a_idx, 0] > 0
+        drafted = ((valid & (self.actions_kw[a_row, 0] > 0)).any(1) if row_actions is not None
+                   else self.actions_kw[a_idx, 0] > 0)
         rows = np.where(valid, tb.offsets[self.trow] + self.pos, 0)  # (N, S)
         flat = rows * len(self.actions_kw) + a_row  # (N, S) index into the flattened (R, A) tables
         acc = np.where(valid, tb.accept_flat.take(flat), 0)
@@ -297,8 +298,12 @@ class SpecReplayVecEnv(VecEnv):
             union = np.bitwise_or.reduce(masks, axis=1)  # (N,) node bits of the action's tree
             tree_tokens = 1 + popcount64(union)
             levels = popcount64(union[:, None] & self.depth_masks[a_idx])  # (N, MAX_LEVELS)
-        else:  # rows' trees differ: a draft model drafts their union, level by level
-            levels = popcount64(masks[..., None] & self.depth_masks[a_row]).max(1)  # (N, MAX_LEVELS)
+        else:  # rows' trees differ: the union of each action's rows (exact within an action), and
+            # across actions the largest level (their trees share the rank paths of the smaller one)
+            levels = np.zeros((self.num_envs, MAX_LEVELS), np.int64)
+            for a in np.unique(a_row[valid]):
+                union_a = np.bitwise_or.reduce(np.where(valid & (a_row == a), masks, np.uint64(0)), axis=1)  # (N,)
+                levels = np.maximum(levels, popcount64(union_a[:, None] & self.depth_masks[a]))
             tree_tokens = 1 + levels.sum(1)
         if cfg.verify == "ragged":
             row_tokens = np.where(valid, 1 + popcount64(masks), 0)  # (N, S)

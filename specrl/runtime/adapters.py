@@ -88,6 +88,12 @@ class EngineController:
         self.decisions: list[tuple[int, int]] = []
         ctl = getattr(policy, "controller", policy)  # a Controller, or a ControllerPolicy wrapping one
         self.rows_controller = ctl if getattr(ctl, "per_row", False) else None
+        if self.rows_controller is not None and not hasattr(ctl, "rule"):
+            from specrl.errors import ConfigError
+
+            raise ConfigError(f"{type(policy).__name__} plans per request but is not an exported controller. Fix: "
+                              "export it (`specrl export RUN_DIR` or --rule rowmodel:DIR -o DIR) and pass "
+                              "specrl.runtime.Controller.load(DIR).")
         self.observer = None
         if self.rows_controller is not None:
             self.observer = RowObserver(engine, self.rows_controller.rule.actions_kw)

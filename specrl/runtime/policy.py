@@ -19,8 +19,28 @@ class ControllerPolicy(BasePolicy):
     def reset(self) -> None:
         self.controller.reset()
 
+    @property
+    def per_row(self) -> bool:
+        """A per-request artifact: the replay harness then calls ``decide_rows``."""
+        return self.controller.per_row
+
     def decide(self, features: np.ndarray) -> tuple[int, int]:
         return self.controller.decide(features)
+
+    def decide_rows(self, features: np.ndarray, view: Any) -> np.ndarray:
+        """(N, S) action indices (the env's order) from the controller's (k, w) per running row:
+        what the replay harness asks of per-request policies, through the exported artifact."""
+        from specrl.replay import action_table
+        from specrl.rows import RowView
+
+        table = {kw: a for a, kw in enumerate(action_table(self.ctx.k_choices, self.ctx.w_choices))}
+        out = np.full(view.valid.shape, table[(0, 1)], np.int64)
+        for i in range(view.valid.shape[0]):
+            slots = np.flatnonzero(view.valid[i])
+            one = RowView(*(getattr(view, f)[i : i + 1, slots] for f in view.__dataclass_fields__))
+            for s, (k, w) in zip(slots, self.controller.decide_rows(np.asarray(features)[i], one)):
+                out[i, s] = table[(k, 1 if k == 0 else w)]
+        return out
 
     def observe(self, features: np.ndarray, info: dict[str, Any]) -> None:
         self.controller.observe(features, info)
