@@ -637,10 +637,18 @@ def _train_accmodel(env_cfg: Any, agent: AgentConfig, seed: int, run_dir: Path, 
     summary: dict[str, Any] = {"run_dir": str(run_dir), "steps": samples, "steps_per_s": samples / max(train_s, 1e-9),
                                "train_seconds": train_s, "accmodel": info["history"]}
     pol = accmodel.policy_for(policy_context(env_cfg), model, info["objective"])
+    return _validate_and_finish(run_dir, env_cfg, agent, pol, tracker, summary, final_eval,
+                                f"accmodel ({info['objective']}, {train_s:.0f} s of training): ")
+
+
+def _validate_and_finish(run_dir: Path, env_cfg: Any, agent: AgentConfig, pol: Any, tracker: Any,
+                         summary: dict[str, Any], final_eval: bool, what: str) -> dict[str, Any]:
+    """The tail the fitted (non-SB3) learners share: validation against ``goodput`` on the training
+    prompts, the final held-out evaluation, the summary file."""
     val = quick_eval(env_cfg, agent, pol, ["goodput"], split="train", seed0=VALIDATION_SEED0)
-    summary["validation"] = {"learned": val["overall"]["learned"], "goodput": val["overall"]["goodput"]}
-    print(f"accmodel ({info['objective']}): validation {val['overall']['learned']:.2f} tokens/s vs goodput {val['overall']['goodput']:.2f} "
-          f"({val['overall']['learned'] / val['overall']['goodput']:.3f}x), {train_s:.0f} s of training", flush=True)
+    learned, good = val["overall"]["learned"], val["overall"]["goodput"]
+    summary["validation"] = {"learned": learned, "goodput": good}
+    print(f"{what}validation {learned:.2f} tokens/s vs goodput {good:.2f} ({learned / good:.3f}x)", flush=True)
     if final_eval:
         _final_eval(run_dir, env_cfg, agent, pol, tracker, summary)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
@@ -676,18 +684,9 @@ def _train_rowmodel(env_cfg: Any, agent: AgentConfig, run_dir: Path, tracker: An
     if tracker is not None:
         tracker.log({f"rowmodel/{k}": v for k, v in art["fit"].items()}, 0)
     pol = rowmodel.RowModelPolicy(policy_context(env_cfg), run_dir / "rowmodel")
-    val = quick_eval(env_cfg, agent, pol, ["goodput"], split="train", seed0=VALIDATION_SEED0)
-    summary["validation"] = {"learned": val["overall"]["learned"], "goodput": val["overall"]["goodput"]}
-    print(f"rowmodel: {art['fit']['rows']} trace rows, mean abs error {art['fit']['mae']:.3f} accepted tokens "
-          f"(constant {art['fit']['mae_constant']:.3f}); validation {val['overall']['learned']:.2f} tokens/s vs "
-          f"goodput {val['overall']['goodput']:.2f} ({val['overall']['learned'] / val['overall']['goodput']:.3f}x)",
-          flush=True)
-    if final_eval:
-        _final_eval(run_dir, env_cfg, agent, pol, tracker, summary)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
-    if tracker is not None:
-        tracker.finish()
-    return summary
+    return _validate_and_finish(run_dir, env_cfg, agent, pol, tracker, summary, final_eval,
+                                f"rowmodel: {art['fit']['rows']} trace rows, mean abs error {art['fit']['mae']:.3f} "
+                                f"accepted tokens (constant {art['fit']['mae_constant']:.3f}); ")
 
 
 def _final_eval(run_dir: Path, env_cfg: Any, agent: AgentConfig, pol: Any, tracker: Any, summary: dict[str, Any]) -> None:
