@@ -42,12 +42,8 @@ from specrl.envs.config import load_env_config
 from specrl.envs.replay import load_replay_data
 from specrl.envs.vector import SpecReplayVecEnv
 from specrl.evaluate import episode_env_config, evaluate, parse_loads
-from specrl.rowmodel import bucket_means
+from specrl.rowmodel import ML_EDGES, NM_EDGES, RUN_EDGES, bucket_means, bucket_of, num_buckets
 from specrl.rows import copy_runs
-
-ML_EDGES = np.arange(1, 7)  # match length 0..6+
-NM_EDGES = np.array([1, 2, 3, 5, 9])  # number of earlier matches
-RUN_EDGES = np.array([1, 2, 3, 5, 9, 17])  # copy run
 
 
 def copy_run(tables, a11: int) -> np.ndarray:
@@ -57,15 +53,11 @@ def copy_run(tables, a11: int) -> np.ndarray:
 
 
 def bucket_ids(tables, run: np.ndarray | None) -> tuple[np.ndarray, int]:
-    """(R,) bucket of every trace row and the number of buckets."""
-    ml = np.digitize(np.nan_to_num(tables.match_len), ML_EDGES)
-    nm = np.digitize(np.nan_to_num(tables.num_matches), NM_EDGES)
-    ids = ml * (len(NM_EDGES) + 1) + nm
-    n = (len(ML_EDGES) + 1) * (len(NM_EDGES) + 1)
-    if run is not None:
-        ids = ids * (len(RUN_EDGES) + 1) + np.digitize(run, RUN_EDGES)
-        n *= len(RUN_EDGES) + 1
-    return ids, n
+    """(R,) bucket of every trace row and the number of buckets (``run=None``: no copy-run axis)."""
+    edges = {"match_len": ML_EDGES, "num_matches": NM_EDGES, "copy_run": RUN_EDGES if run is not None else []}
+    ids = bucket_of(tables.match_len, tables.num_matches, np.zeros(len(tables.match_len)) if run is None else run,
+                    edges)
+    return ids, num_buckets(edges)
 
 
 def fit(tables, train_rows: np.ndarray, ids: np.ndarray, n: int, prior: float = 5.0) -> np.ndarray:

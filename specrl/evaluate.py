@@ -404,10 +404,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.live:
         ensure_traces(cfg)
     if args.policies is None:
-        from specrl.policies import BASELINES
+        from specrl.envs.config import policy_context
+        from specrl.policies import BASELINES, make_policy
 
-        replay_only = ("goodput-rows", "oracle")  # per-request and clairvoyant policies
-        args.policies = ",".join(p for p in [*BASELINES, "oracle"] if not (args.live and p in replay_only))
+        ctx = policy_context(cfg)  # live: leave out what needs replay (per-request policies, the oracle)
+        args.policies = ",".join(p for p in [*BASELINES, "oracle"]
+                                 if not (args.live and (p == "oracle" or getattr(make_policy(p, ctx), "per_row", False))))
     policies = [p.strip() for p in _split_policies(args.policies)]
     loads = parse_loads(args.loads)
     out = Path(args.out) if args.out else Path("results") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -60,8 +60,7 @@ class RaggedKVCache:
         In a packed forward (``forward(pack=...)``) the states arrive as (1, H, N, D), one column
         per (row, node) pair, and are scattered to their rows' columns ``T + node``.
         """
-        _, heads, n, dim = key_states.shape
-        bsz = key_states.shape[0]
+        bsz, heads, n, dim = key_states.shape
         if self._pack is not None:
             rows, nodes, bsz, n, _ = self._pack
         if layer_idx >= len(self.keys):

@@ -29,7 +29,7 @@ import numpy as np
 
 from specrl.errors import ConfigError
 from specrl.policies.base import PolicyContext
-from specrl.rows import PerRowPolicy, RowView, copy_runs
+from specrl.rows import PerRowPolicy, RowView, trace_copy_runs
 
 FORMAT = 1
 ML_EDGES = [1, 2, 3, 4, 5, 6]  # n-gram match length 0..6+
@@ -72,12 +72,10 @@ def fit(tables: Any, prompts: np.ndarray, actions: list[tuple[int, int]], prior:
         raise ConfigError(f"The replay tables have no outcomes for actions {missing}. Fix: rebuild them for the "
                           "env's k_choices / w_choices (the replay env does this when it loads).")
     cols = [index[tuple(kw)] for kw in actions]
-    chains = [a for a, (k, w) in enumerate(tables.actions) if k > 0 and w == 1]
-    if not chains:
+    run = trace_copy_runs(tables)
+    if run is None:
         raise ConfigError("rowmodel needs a chain action (k >= 1, w = 1) in the tables for the copy run. "
                           "Fix: include w = 1 in w_choices.")
-    first = min(chains, key=lambda a: tables.actions[a][0])
-    run = copy_runs(tables.offsets, tables.accept[:, first] > 0)
     rows = np.concatenate([np.arange(tables.offsets[p], tables.offsets[p + 1]) for p in prompts]) if len(prompts) else \
         np.zeros(0, np.int64)
     if rows.size == 0:

@@ -65,6 +65,17 @@ def copy_runs(offsets: np.ndarray, hit: np.ndarray) -> np.ndarray:
     return idx - 1 - np.maximum(before, start - 1)
 
 
+def trace_copy_runs(tables: object) -> np.ndarray | None:
+    """(R,) copy run of every trace row of ``tables`` (ReplayTables), or None without a chain
+    action: a chain's first draft token is the 1-token lookup's own prediction, whatever k, so the
+    shortest chain's accept > 0 says whether that token was predicted."""
+    chains = [a for a, (k, w) in enumerate(tables.actions) if k > 0 and w == 1]
+    if not chains:
+        return None
+    first = min(chains, key=lambda a: tables.actions[a][0])
+    return copy_runs(tables.offsets, tables.accept[:, first] > 0)
+
+
 def action_levels(actions_kw: np.ndarray) -> np.ndarray:
     """(A, MAX_LEVELS) nodes per depth of every action's full tree."""
     from specrl.tree import tree_shape

@@ -35,7 +35,7 @@ from specrl.features import (
     update_step_batch,
 )
 from specrl.replay import action_table, popcount64
-from specrl.rows import RowView, copy_runs
+from specrl.rows import RowView, trace_copy_runs
 from specrl.serving import SLO_GRACE_TOKENS
 from specrl.workload import Workload
 
@@ -68,11 +68,9 @@ class SpecReplayVecEnv(VecEnv):
             for j, d in enumerate(tb.bit_depth[a]):
                 if d > 0:
                     self.depth_masks[a, d - 1] |= np.uint64(1) << np.uint64(j)
-        # per trace row: tokens predicted in a row by the 1-token lookup before it (a chain's first
-        # draft token is the lookup's own prediction, whatever k)
-        chains = [a for a, (k, w) in enumerate(self.actions_kw.tolist()) if k > 0 and w == 1]
-        hit = tb.accept[:, min(chains, key=lambda a: self.actions_kw[a, 0])] > 0 if chains else np.zeros(len(tb.accept), bool)
-        self.copy_run = copy_runs(tb.offsets, hit)  # (R,)
+        # per trace row: tokens predicted in a row by the 1-token lookup before it (0 without chains)
+        run = trace_copy_runs(tb)
+        self.copy_run = np.zeros(len(tb.accept), np.int64) if run is None else run  # (R,)
         self.workloads = [Workload(cfg.workload, self.pool) for _ in range(num_envs)]
         self.rngs = [seeding.np_random(None)[0] for _ in range(num_envs)]
         self._pending_seeds: list[int | None] = [None] * num_envs
@@ -289,7 +287,7 @@ class SpecReplayVecEnv(VecEnv):
         a_row = np.broadcast_to(a_idx[:, None], valid.shape) if row_actions is None else row_actions  # (N, S)
         drafted = ((valid & (self.actions_kw[a_row, 0] > 0)).any(1) if row_actions is not None
                    else self.actions_kw[a_idx, 0] > 0)
-        rows = np.where(valid, tb.offsets[self.trow] + self.pos, 0)  # (N, S)
+        rows = self._trace_rows(valid)  # (N, S)
         flat = rows * len(self.actions_kw) + a_row  # (N, S) index into the flattened (R, A) tables
         acc = np.where(valid, tb.accept_flat.take(flat), 0)
         masks = np.where(valid, tb.mask_flat.take(flat), np.uint64(0))
@@ -320,10 +318,14 @@ class SpecReplayVecEnv(VecEnv):
                 "committed": committed, "tree_tokens": tree_tokens, "verify_tokens": verify_tokens,
                 "batch": batch, "dt": dt, "ctx_mean": ctx_mean}
 
+    def _trace_rows(self, valid: np.ndarray) -> np.ndarray:
+        """(N, S) replay-table row of every slot's current position (0 in free slots)."""
+        return np.where(valid, self.tables.offsets[self.trow] + self.pos, 0)
+
     def row_view(self) -> RowView:
         """What a per-request policy may observe of every running row now (``specrl.rows``)."""
         tb, valid = self.tables, self.active.copy()
-        rows = np.where(valid, tb.offsets[self.trow] + self.pos, 0)  # (N, S)
+        rows = self._trace_rows(valid)  # (N, S)
         return RowView(
             valid=valid,
             match_len=np.where(valid, np.nan_to_num(tb.match_len[rows]), 0.0),
@@ -337,7 +339,7 @@ class SpecReplayVecEnv(VecEnv):
     def row_outcomes(self) -> np.ndarray:
         """(N, S, A) tokens each row would commit under each action (clairvoyant: replay only)."""
         tb, valid = self.tables, self.active
-        rows = np.where(valid, tb.offsets[self.trow] + self.pos, 0)
+        rows = self._trace_rows(valid)
         left = (self.limit - self.pos)[..., None]
         return np.where(valid[..., None], np.minimum(tb.accept[rows].astype(np.float64) + 1.0, left), 0.0)
 

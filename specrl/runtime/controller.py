@@ -173,11 +173,15 @@ class Controller:
             k = self.k_choices[ki]
             return (k, 1) if k == 0 else (k, self.w_choices[wi])
         except Exception:  # noqa: BLE001 - the serving loop must not die because of the controller
-            self.fallbacks += 1
-            try:
-                return self.fallback.decide(np.nan_to_num(np.asarray(features, np.float32).reshape(-1)))
-            except Exception:  # noqa: BLE001
-                return (0, 1)
+            return self._fall_back(features)
+
+    def _fall_back(self, features: np.ndarray) -> tuple[int, int]:
+        """The fallback rule's decision on the (NaN-cleaned) features; (0, 1) if even that fails."""
+        self.fallbacks += 1
+        try:
+            return self.fallback.decide(np.nan_to_num(np.asarray(features, np.float32).reshape(-1)))
+        except Exception:  # noqa: BLE001
+            return (0, 1)
 
     def decide_rows(self, features: np.ndarray, view: Any) -> list[tuple[int, int]]:
         """One (k, w) per running request (``view``: a one-engine ``specrl.rows.RowView``, slots =
@@ -194,11 +198,7 @@ class Controller:
             kw = self.rule.actions_kw[idx]
             return [(int(k), int(w)) for k, w in kw]
         except Exception:  # noqa: BLE001 - the serving loop must not die because of the controller
-            self.fallbacks += 1
-            try:
-                return [self.fallback.decide(np.nan_to_num(np.asarray(features, np.float32).reshape(-1)))] * n
-            except Exception:  # noqa: BLE001
-                return [(0, 1)] * n
+            return [self._fall_back(features)] * n
 
     def observe(self, features: np.ndarray, info: dict[str, Any]) -> None:
         """Let stateful rules (and the fallback) see what a step did."""
