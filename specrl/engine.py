@@ -120,6 +120,8 @@ class SpecEngine:
         self.rows: list[Request] = []  # running requests, row order = cache row order
         self.waiting: list[Request] = []  # admitted at the start of the next step
         self._finished: list[Request] = []
+        self._joined: list[Request] = []  # admitted since the last step: that step pays their prefill
+        self._prefill_watches: list[Stopwatch] = []
         self._next_rid = 0
         self._tree_cache: dict[tuple, tuple[TreeShape, TreeTensors]] = {}
         # verify passes by kind: "padded", "packed" (one attention call), "packed-runs" (per-run attention)
@@ -182,9 +184,16 @@ class SpecEngine:
         for r in joining:
             r.t_join = now
         seqs = [r.seq for r in joining]
+        sw = Stopwatch(self.device)
+        sw.start("prefill")
         prefill(self.pair.target, self.cache, seqs, self.device)
         self.drafter.join(seqs)
+        sw.stop("prefill")
         self.rows.extend(joining)
+        # charged to the next step (its StepResult's prefill fields and step_time), whether that
+        # step admitted them itself or a caller did earlier to choose per-request actions
+        self._joined.extend(joining)
+        self._prefill_watches.append(sw)
 
     # ----- one step ----------------------------------------------------------------------------
     def _actions(self, action: ActionLike) -> tuple[Action, ...]:
@@ -237,12 +246,11 @@ class SpecEngine:
     def step(self, action: ActionLike = Action(0, 1)) -> StepResult:
         """Admit waiting requests, draft with ``action``, verify in one target pass, commit."""
         sw = Stopwatch(self.device)
+        early = len(self._prefill_watches)  # admissions before this step (outside its stopwatch)
         sw.start("step")
-        sw.start("prefill")
-        n_before = len(self.rows)
         self.admit()
-        joined = self.rows[n_before:]
-        sw.stop("prefill")
+        joined, watches = self._joined, self._prefill_watches
+        self._joined, self._prefill_watches = [], []
         if not self.rows:
             raise RequestError("step() called with no running or waiting requests. Fix: add_request() first.")
         actions = self._actions(action)
@@ -386,6 +394,7 @@ class SpecEngine:
             self._finished.extend(finished)
         sw.stop("step")
         t = sw.seconds()
+        pre = [w.seconds()["prefill"] for w in watches]  # this step's admissions and earlier ones
         return StepResult(
             rids=rids,
             actions=list(actions),
@@ -404,10 +413,10 @@ class SpecEngine:
             prefill_rows=len(joined),
             prefill_len=max((len(r.prompt) for r in joined), default=0),
             finished=[r.rid for r in finished],
-            prefill_time=t.get("prefill", 0.0),
+            prefill_time=sum(pre),
             draft_time=t.get("draft", 0.0),
             verify_time=t.get("verify", 0.0),
-            step_time=t["step"],
+            step_time=t["step"] + sum(pre[:early]),
         )
 
     def probe(self) -> np.ndarray | None:
@@ -425,6 +434,7 @@ class SpecEngine:
         self.cache.select_rows([])
         self.drafter.select_rows([])
         self.rows, self.waiting, self._finished = [], [], []
+        self._joined, self._prefill_watches = [], []
 
     def pop_finished(self) -> list[Request]:
         """Requests finished since the last call."""

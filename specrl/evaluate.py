@@ -120,7 +120,7 @@ def run_replay(cfg: Any, policy_spec: str, loads: list[Load], seeds: list[int], 
         obs = vec.reset()
         finished: dict[int, Episode] = {}
         acts_log: list[list[tuple[float, int, int]]] = [[] for _ in pts]
-        is_oracle = getattr(pols[0], "name", "") == "oracle"
+        is_oracle = getattr(pols[0], "name", "") == "oracle"  # the batch-level one (oracle-rows is per_row)
         per_row = getattr(pols[0], "per_row", False)
         while len(finished) < len(pts):
             times = vec.t.copy()
@@ -179,10 +179,15 @@ def run_live(cfg: Any, policy_spec: str, loads: list[Load], seeds: list[int], ma
             obs, _ = env.reset(seed=s, options={"level": ld.level()})
             sums[:] = [0.0, 0.0]
             log = []
+            per_row = getattr(pol, "per_row", False)
             while True:
-                k, w = pol.decide(obs)
                 t0 = env.unwrapped.loop.t
-                obs, _, term, trunc, info = env.step(table.index(k, w))
+                if per_row:  # one action per running request (SpecDecodeEnv.step_rows)
+                    choice = pol.decide_rows(obs[None], env.unwrapped.row_view())[0]
+                    obs, _, term, trunc, info = env.unwrapped.step_rows(choice)
+                else:
+                    k, w = pol.decide(obs)
+                    obs, _, term, trunc, info = env.step(table.index(k, w))
                 pol.observe(obs, info)
                 log.append((t0, info["k"], info["w"]))
                 if term or trunc:
@@ -320,10 +325,10 @@ def evaluate(cfg: Any, policies: list[str], loads: list[Load], seeds: list[int],
     ctx = policy_context(cfg)
     episodes: list[Episode] = []
     t0 = time.perf_counter()
-    for spec in policies:  # fail early on bad names, and on per-request policies in the live env
+    for spec in policies:  # fail early on bad names, and on what the live env cannot run
         pol = make_policy(spec, ctx)
-        if live and getattr(pol, "per_row", False):
-            raise ConfigError(f"{spec!r} chooses one (k, w) per request; the live env has no per-request adapter yet. "
+        if live and getattr(pol, "clairvoyant", False):
+            raise ConfigError(f"{spec!r} reads the replay tables' future outcomes; the live env has none. "
                               "Fix: evaluate it on the replay backend (drop --live), or leave it out of --policies.")
     for spec in tqdm(policies, desc="evaluating" + (" live" if live else " replay"), disable=not progress):
 
@@ -407,9 +412,9 @@ def run(args: argparse.Namespace) -> int:
         from specrl.envs.config import policy_context
         from specrl.policies import BASELINES, make_policy
 
-        ctx = policy_context(cfg)  # live: leave out what needs replay (per-request policies, the oracle)
+        ctx = policy_context(cfg)  # live: leave out what needs the replay tables' future (the oracle)
         args.policies = ",".join(p for p in [*BASELINES, "oracle"]
-                                 if not (args.live and (p == "oracle" or getattr(make_policy(p, ctx), "per_row", False))))
+                                 if not (args.live and getattr(make_policy(p, ctx), "clairvoyant", False)))
     policies = [p.strip() for p in _split_policies(args.policies)]
     loads = parse_loads(args.loads)
     out = Path(args.out) if args.out else Path("results") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"

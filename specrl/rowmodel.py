@@ -14,9 +14,10 @@ cannot extrapolate wildly, and is read by a numpy lookup at run time. The artifa
 (``rowmodel.json``); no pickle.
 
 Scope: the n-gram drafter (its buckets are n-gram statistics). Per-request policies run in the
-vectorised replay env (``specrl evaluate``, ``specrl train --agent agents/rowmodel.yaml``) and,
-exported, on the live engine (``specrl.runtime.adapters.EngineController`` with ``RowObserver``);
-the live Gym env still takes one action per step.
+vectorised replay env (``specrl evaluate``, ``specrl train --agent agents/rowmodel.yaml``), in the
+live Gym env (``SpecDecodeEnv.row_view`` / ``step_rows``: ``specrl evaluate --live``,
+``specrl validate-replay``) and, exported, on the engine (``specrl.runtime.adapters.EngineController``
+with ``RowObserver``).
 """
 
 from __future__ import annotations

@@ -163,8 +163,8 @@ class PerRowPolicy(BasePolicy):
 
     def decide(self, features: np.ndarray) -> tuple[int, int]:
         raise ConfigError(f"{self.name!r} chooses one (k, w) per request and needs each request's observations. "
-                          "Fix: evaluate it on the replay backend (`specrl evaluate --env envs/replay.yaml`); "
-                          "the live env has no per-request adapter yet.")
+                          "Fix: call decide_rows(features, view) with a RowView: the replay vector env's row_view() "
+                          "or the live env's (env.unwrapped.row_view(), then step_rows); `specrl evaluate` does this.")
 
     def plan(self, value: np.ndarray, view: RowView) -> np.ndarray:
         return plan_rows(value, view, self.ctx.cost_model, self.ctx.drafter, self.actions_kw, self.ctx.verify,

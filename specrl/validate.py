@@ -87,7 +87,7 @@ def validate(cfg: Any, policies: list[str], loads: list[Any], seeds: list[int], 
         raise ConfigError(f"--repeats {repeats} is not allowed: use 1 or more (2 or more also measure the "
                           "live noise)")
     cost = load_cost_model(cfg)
-    ctx = PolicyContext(cfg.k_choices, cfg.w_choices, cost, cfg.drafter)
+    ctx = PolicyContext(cfg.k_choices, cfg.w_choices, cost, cfg.drafter, cfg.verify)
     live_cfg = replace(cfg, backend="live", time_source=live_time)
     rep_cfg = replace(cfg, backend="replay")
     if probe_speed is None:

@@ -199,16 +199,24 @@ def test_vector_env_matches_scalar_replay_envs(variant, tiny_traces, tiny_pair_d
 
 
 def test_validate_replay_agrees_exactly_when_both_sides_use_the_cost_model(tiny_traces, tiny_pair_dirs,
-                                                                           isolated_cache):
+                                                                           isolated_cache, tmp_path):
+    """Per-request policies included: live they plan through SpecDecodeEnv.row_view / step_rows,
+    in replay through the vector env's, and both sides must take the same steps."""
+    from specrl import rowmodel
     from specrl.envs.config import load_env_config
+    from specrl.envs.replay import load_replay_data
     from specrl.evaluate import parse_loads
+    from specrl.replay import action_table
     from specrl.validate import table, validate
 
     pair, prompts, tr = tiny_traces
     cfg = load_env_config(replay_cfg(tr["ngram_path"], tiny_pair_dirs[0], prompts=_write(prompts, isolated_cache),
                                      horizon_s=3.0))
-    res = validate(cfg, ["ar", "static:2,1", "static:6,3", "goodput"], parse_loads(["closed:1,3"]), [0], pair=pair,
-                   progress=False, live_time="profiled")
+    _, _, rows, tables = load_replay_data(cfg)
+    rowmodel.save(rowmodel.fit(tables, np.asarray(rows), action_table(cfg.k_choices, cfg.w_choices)), tmp_path / "rm")
+    res = validate(cfg, ["ar", "static:2,1", "static:6,3", "goodput", "goodput-rows", f"rowmodel:{tmp_path / 'rm'}"],
+                   parse_loads(["closed:1,3"]), [0], pair=pair, progress=False, live_time="profiled")
+    assert {r["policy"] for r in res["rows"]} >= {"goodput-rows", "rowmodel"}
     assert res["max_goodput_rel_error"] < 1e-9 and res["same_static_ranking"] and res["spearman"] > 0.99
     assert all(abs(r["live_accept_len"] - r["replay_accept_len"]) < 1e-9 for r in res["rows"])
     # the live side's own clock is the cost model here, so charging it on the same steps agrees

@@ -221,8 +221,62 @@ def test_per_request_policies_run_in_the_evaluation_harness(cfg, tmp_path):
     assert res["by_load"]["closed:4"]["rowmodel"] != res["by_load"]["closed:4"]["goodput"]
     # the exported artifact plans per request too (not its batch-level fallback): same episodes
     assert res["by_load"]["closed:4"][f"controller:{ctl}"] == res["by_load"]["closed:4"]["rowmodel"]
-    with pytest.raises(ConfigError, match="per request"):
-        evaluate(cfg, ["goodput-rows"], parse_loads(["closed:1"]), [0], None, live=True, progress=False)
+    with pytest.raises(ConfigError, match="future outcomes"):
+        evaluate(cfg, ["oracle-rows"], parse_loads(["closed:1"]), [0], None, live=True, progress=False)
+
+
+def test_live_env_gives_every_running_request_its_own_action(cfg, tiny_traces):
+    """SpecDecodeEnv.row_view / step_rows: the engine runs one action per row (in row_view's
+    order), info reports the deepest, and a wrong number of actions is refused with the fix."""
+    import specrl
+    from specrl.replay import action_table
+
+    pair, _, _ = tiny_traces
+    env = specrl.make_env(replace(cfg, backend="live", time_source="profiled"), pair=pair).unwrapped
+    kw = np.asarray(action_table(cfg.k_choices, cfg.w_choices))
+    assert np.array_equal(env.actions_kw, kw)
+    seen: list = []
+    step = env.loop.backend.step
+    env.loop.backend.step = lambda a: seen.append(a) or step(a)
+    env.reset(seed=3)
+    rng = np.random.default_rng(0)
+    mixed = 0
+    for _ in range(12):
+        view = env.row_view()
+        n = int(view.valid.sum())
+        assert view.row_tokens.shape == (1, n, len(kw)) and n == len(env.engine.rows) > 0
+        choice = rng.integers(0, len(kw), n)
+        _, _, term, trunc, info = env.step_rows(choice)
+        want = [(int(k), 1 if k == 0 else int(w)) for k, w in kw[choice]]
+        assert [(a.k, a.w) for a in seen[-1]] == want
+        assert (info["k"], info["w"]) == max(want)
+        mixed += len(set(want)) > 1
+        if term or trunc:
+            break
+    assert mixed > 3
+    env.row_view()
+    with pytest.raises(ConfigError, match="one index per row"):
+        env.step_rows([0] * (len(env.engine.rows) + 1))
+
+
+def test_prefill_of_an_early_admission_is_charged_to_the_next_step(tiny_traces):
+    """Per-request callers admit before choosing actions (to learn the rows); the prefill still
+    lands in the next StepResult (rows, length, seconds), as when the step admits itself."""
+    from specrl.engine import SpecEngine
+    from specrl.step import Action
+
+    pair, _, tr = tiny_traces
+    prompts = tr["ngram"].prompt_ids
+    eng = SpecEngine(pair, drafter="ngram", eos_token_ids=())
+    eng.add_request(prompts[0], 8)
+    eng.add_request(prompts[1], 8)
+    eng.admit()
+    eng.add_request(prompts[2], 8)  # this one the step admits itself
+    res = eng.step(Action(2, 1))
+    assert res.prefill_rows == 3 and res.prefill_len == max(len(p) for p in prompts[:3])
+    assert res.prefill_time > 0 and res.step_time >= res.prefill_time + res.verify_time
+    res = eng.step(Action(2, 1))
+    assert res.prefill_rows == 0 and res.prefill_time == 0.0
 
 
 def test_live_row_observer_sees_what_the_replay_tables_hold(tiny_traces):

@@ -90,7 +90,12 @@ class SpecEnvBase(gym.Env):
         from specrl.engine import Action
 
         kw = self.decode_action(action)
-        rep = self.loop.step(Action(*kw))
+        return self._step(Action(*kw), kw)
+
+    def _step(self, action: Any, kw: tuple[int, int]):
+        """One serving step with ``action`` (one Action, or one per running request); ``kw`` is
+        what the reward's switch cost and ``info`` report (the deepest row's for per-request)."""
+        rep = self.loop.step(action)
         reward = self._reward(rep, kw)
         self._prev = kw
         obs = self.loop.observation()

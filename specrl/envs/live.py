@@ -98,6 +98,15 @@ class SpecDecodeEnv(SpecEnvBase):
     ``pair=`` passes an already loaded ``ModelPair``. ``time_source``: ``measured`` (wall clock,
     CUDA events on GPU) or ``profiled`` (the cost model: deterministic time for a seed).
 
+    ## Per-request actions
+    Besides ``step`` (one (k, w) for the whole batch), ``row_view()`` returns what a per-request
+    policy sees of every running request (``specrl.rows.RowView``, one env, rows in the engine's
+    order; n-gram drafter statistics computed as the replay tables do) and ``step_rows(actions)``
+    takes one action index (into ``specrl.replay.action_table(k_choices, w_choices)``) per running
+    request; the engine verifies their trees ragged. ``info["k"], info["w"]`` then report the
+    deepest row's action, as the replay vector env does. Outside the Gym API, as the replay vector
+    env's ``step_rows``: ``env.unwrapped.step_rows``.
+
     ## Version History
     * v0: initial version (feature schema 1).
     """
@@ -119,5 +128,49 @@ class SpecDecodeEnv(SpecEnvBase):
         cost = load_cost_model(cfg) if cfg.time_source == "profiled" or cfg.time_penalty == "ar" else None
         self.cost_model = cost
         self.engine = engine
+        self._observer: Any = None
         return ServingLoop(LiveBackend(engine, pool.ids), Workload(cfg.workload, pool), time_function(cfg, cost),
                            cfg.horizon_s)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        self._observer = None  # its per-request history is keyed by request ids, which restart at 0
+        return super().reset(seed=seed, options=options)
+
+    # ----- per-request actions ------------------------------------------------------------------
+    @property
+    def actions_kw(self) -> np.ndarray:
+        """(A, 2) the (k, w) of every per-request action index (the replay tables' order)."""
+        from specrl.replay import action_table
+
+        return np.asarray(action_table(list(self.k_choices), list(self.w_choices)))
+
+    def row_view(self) -> Any:
+        """The running requests' ``RowView`` (one env: arrays of shape (1, B)) for the next step.
+
+        Admits waiting requests first (their prefill is charged to the next step), so the rows
+        are the ones ``step_rows`` will run."""
+        from specrl.runtime.adapters import RowObserver
+
+        if self._observer is None:
+            self._observer = RowObserver(self.engine, self.actions_kw)
+        self.engine.admit()
+        return self._observer.view()
+
+    def step_rows(self, actions: Any):
+        """One step with one action index per running request (engine row order, as ``row_view``);
+        returns what ``step`` returns."""
+        from specrl.engine import Action
+        from specrl.errors import ConfigError
+
+        self.engine.admit()
+        idx = np.asarray(actions).reshape(-1)
+        kw_all = self.actions_kw
+        n = len(self.engine.rows)
+        if idx.size != n or not np.issubdtype(idx.dtype, np.integer) or (idx.size and (idx.min() < 0 or
+                                                                                         idx.max() >= len(kw_all))):
+            raise ConfigError(f"step_rows got actions {idx.tolist()!r} for {n} running requests. Allowed: {n} integer "
+                              f"indices in [0, {len(kw_all)}) into action_table(k_choices, w_choices). Fix: pass "
+                              "one index per row of row_view(), in its order.")
+        acts = [Action(int(k), 1 if k == 0 else int(w)) for k, w in kw_all[idx]]
+        deepest = max(((a.k, a.w) for a in acts), default=(0, 1))
+        return self._step(acts, deepest)

@@ -30,6 +30,7 @@ from specrl.policies.base import BasePolicy, PolicyContext
 
 class Oracle(BasePolicy):
     name = "oracle"
+    clairvoyant = True  # reads the replay env's future outcomes: never live
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
