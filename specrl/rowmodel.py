@@ -8,6 +8,14 @@ the step: its n-gram match length (0..6+), how often that n-gram occurred before
 3-4, 5-8, 9-16, 17+); 7 x 6 x 7 = 294 buckets. Each bucket's mean is shrunk towards the global
 mean by ``prior`` pseudo-counts, so rare buckets fall back to the average.
 
+Per-request calibration (``calibration`` pseudo-tokens, 0 = off): the table predicts from what a
+request shows now, but requests differ beyond that (one copies a passage, another writes new
+text), which is what ``hf-heuristic`` adapts to. So each request's estimates are scaled by its
+realized / predicted accepted draft tokens so far, (A + m) / (P + m) clipped to [1/4, 4]: a new
+request starts at 1, and the factor moves once it has drafted a few tokens. The policy follows
+requests by ``RowView.rid`` (a request's context grows by what its last step committed, so the
+realized count needs no extra observation) and forgets the ones that left.
+
 Why a table and not a network: these three numbers carry most of what predicts a row's
 acceptance with the n-gram drafter (``benchmarks/headroom.py``), the table fits in seconds,
 cannot extrapolate wildly, and is read by a numpy lookup at run time. The artifact is JSON
@@ -37,6 +45,7 @@ ML_EDGES = [1, 2, 3, 4, 5, 6]  # n-gram match length 0..6+
 NM_EDGES = [1, 2, 3, 5, 9]  # earlier matches
 RUN_EDGES = [1, 2, 3, 5, 9, 17]  # copy run
 ARTIFACT = "rowmodel.json"
+CAL_RANGE = (0.25, 4.0)  # the per-request calibration factor's clip
 
 
 def bucket_of(match_len: np.ndarray, num_matches: np.ndarray, copy_run: np.ndarray,
@@ -61,12 +70,16 @@ def bucket_means(y: np.ndarray, buckets: np.ndarray, n: int, prior: float) -> np
     return (sums + prior * y.mean(0)) / (cnt[:, None] + prior)
 
 
-def fit(tables: Any, prompts: np.ndarray, actions: list[tuple[int, int]], prior: float = 5.0) -> dict[str, Any]:
+def fit(tables: Any, prompts: np.ndarray, actions: list[tuple[int, int]], prior: float = 5.0,
+        calibration: float = 4.0) -> dict[str, Any]:
     """Fit the table on every position of the trace prompts ``prompts`` (indices into the traces).
+    ``calibration``: the per-request calibration's pseudo-tokens (module docstring), stored with it.
 
     Returns the artifact dict (see ``save``)."""
     if prior < 0:
         raise ConfigError(f"prior={prior} is invalid. Allowed: >= 0 pseudo-counts.")
+    if calibration < 0:
+        raise ConfigError(f"calibration={calibration} is invalid. Allowed: >= 0 pseudo-tokens (0 = off), e.g. 4.")
     index = {tuple(kw): a for a, kw in enumerate(tables.actions)}
     missing = [kw for kw in actions if tuple(kw) not in index]
     if missing:
@@ -89,7 +102,7 @@ def fit(tables: Any, prompts: np.ndarray, actions: list[tuple[int, int]], prior:
     mean = bucket_means(y, b, n, prior)
     pred = mean[b]
     return {"format": FORMAT, "kind": "rowmodel", "actions": [list(map(int, kw)) for kw in actions],
-            "edges": edges, "prior": prior, "table": mean.round(6).tolist(), "counts": cnt.astype(int).tolist(),
+            "edges": edges, "prior": prior, "calibration": calibration, "table": mean.round(6).tolist(), "counts": cnt.astype(int).tolist(),
             "fit": {"rows": int(rows.size), "prompts": int(len(prompts)), "buckets_seen": int((cnt > 0).sum()),
                     "mae": float(np.abs(pred - y).mean()), "mae_constant": float(np.abs(y.mean(0) - y).mean())}}
 
@@ -143,15 +156,53 @@ class RowModelPolicy(PerRowPolicy):
         cols = [have[tuple(kw)] for kw in self.actions_kw.tolist()]
         self.table = np.asarray(art["table"], float)[:, cols]  # (buckets, A) in the env's action order
         self.edges = art["edges"]
+        self.calibration = float(art.get("calibration", 0.0))  # artifacts from before it: off
+        self._last: dict[str, np.ndarray] | None = None  # the last step's rows (per-request calibration)
+
+    def reset(self) -> None:
+        self._last = None
 
     def expected_accepted(self, view: RowView) -> np.ndarray:
         """(N, S, A) predicted accepted draft tokens per row and action."""
         return self.table[bucket_of(view.match_len, view.num_matches, view.copy_run, self.edges)]
 
+    def history(self, view: RowView) -> tuple[np.ndarray, np.ndarray]:
+        """(N, S) realized and predicted accepted draft tokens of each running request so far
+        (0 for requests new since the last call), from the last call's rows matched by ``rid``."""
+        last = self._last
+        zeros = np.zeros(view.valid.shape)
+        if last is None or last["rid"].shape[0] != view.valid.shape[0] or last["rid"].shape[1] == 0:
+            return zeros, zeros
+        eq = (view.rid[:, :, None] == last["rid"][:, None, :]) & (last["rid"][:, None, :] >= 0)  # (N, S, S')
+        j = eq.argmax(2)  # (N, S) the request's slot at the last call
+
+        def was(x: np.ndarray) -> np.ndarray:
+            return np.take_along_axis(x, j, 1)
+
+        grown = view.context - was(last["context"])  # tokens its last step committed: accepted + 1
+        seen = view.valid & eq.any(2) & (grown >= 1)
+        drafted = was(last["drafted"])
+        realized = np.where(seen, was(last["realized"]) + np.where(drafted, grown - 1, 0), 0.0)
+        predicted = np.where(seen, was(last["predicted"]) + np.where(drafted, was(last["pred"]), 0.0), 0.0)
+        return realized, predicted
+
     def decide_rows(self, features: np.ndarray, view: RowView) -> np.ndarray:
-        acc = self.expected_accepted(view)
+        raw = self.expected_accepted(view)  # (N, S, A)
+        acc = raw
+        if self.calibration > 0:
+            realized, predicted = self.history(view)
+            m = self.calibration
+            acc = raw * np.clip((realized + m) / (predicted + m), *CAL_RANGE)[..., None]
         value = np.where(view.valid[..., None], np.minimum(acc + 1.0, view.tokens_left[..., None]), 0.0)
-        return self.plan(value, view)
+        choice = self.plan(value, view)
+        if self.calibration > 0:
+            def chosen(x: np.ndarray) -> np.ndarray:
+                return np.take_along_axis(x, choice[..., None], 2)[..., 0]
+
+            self._last = {"rid": np.where(view.valid, view.rid, -1), "context": view.context.copy(),
+                          "realized": realized, "predicted": predicted, "pred": chosen(raw),
+                          "drafted": view.valid & (self.actions_kw[choice, 0] > 0) & (chosen(view.row_tokens) > 1)}
+        return choice
 
 
 def make_policy(ctx: PolicyContext, arg: str) -> RowModelPolicy:

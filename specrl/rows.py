@@ -19,9 +19,10 @@ wins, and every batch-level action is a candidate too, so the per-row plan never
 the best single action for the same values.
 
 ``RowView`` fields are observable before the step: n-gram match statistics (the drafter's
-lookup), the copy run (history), tokens left under ``max_new_tokens``, context length, and the
+lookup), the copy run (history), tokens left under ``max_new_tokens``, context length, the
 verify tokens each action's tree would hold for the row (the n-gram drafter knows what it would
-propose; a draft model fills the whole tree).
+propose; a draft model fills the whole tree), and the request's id, so that a policy can follow
+a request from step to step (its context grows by the tokens each step committed).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class RowView:
     tokens_left: np.ndarray  # (N, S) int: max_new_tokens - generated
     context: np.ndarray  # (N, S) int: sequence length
     row_tokens: np.ndarray  # (N, S, A) int: verify tokens of the row's tree under each action (root included)
+    rid: np.ndarray  # (N, S) int: the request in the slot (unique within an env's run; -1 = free)
 
     def env(self, i: int) -> RowView:
         """Env i's slots as a one-env view (arrays keep a leading axis of 1)."""

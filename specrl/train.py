@@ -27,8 +27,8 @@ ALGOS = ("ppo", "a2c", "dqn", "accmodel", "rowmodel")
 either an acceptance model under goodput's argmax or a direct decision network (``specrl.accmodel``,
 ``objective``; its ``hyperparams`` are ``accmodel.Recipe`` fields); ``rowmodel``: a per-request
 acceptance table fit on the training prompts' traces, planning one (k, w) per request
-(``specrl.rowmodel``; hyperparams: ``prior``)."""
-ROWMODEL_HYPERPARAMS = ("prior",)
+(``specrl.rowmodel``; hyperparams: ``prior``, ``calibration``)."""
+ROWMODEL_HYPERPARAMS = ("prior", "calibration")
 SCHEDULED = ("learning_rate", "clip_range")
 """Hyperparameters that may be a linear schedule, written ``lin_<start>`` as in rl-zoo: the value
 falls linearly from ``start`` at the first step to 0 at ``total_timesteps``."""

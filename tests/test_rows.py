@@ -125,7 +125,7 @@ def _view(match_len, valid=None, tokens_left=100, n_act=3):
     valid = np.ones(s, bool) if valid is None else np.asarray(valid)
     row_tokens = np.tile(np.array([1, 5, 9])[:n_act], (s, 1))
     return RowView(valid[None], np.asarray(match_len, float)[None], np.ones((1, s)), np.zeros((1, s), int),
-                   np.full((1, s), tokens_left), np.full((1, s), 300), row_tokens[None])
+                   np.full((1, s), tokens_left), np.full((1, s), 300), row_tokens[None], np.arange(s)[None])
 
 
 def test_planner_drafts_where_acceptance_is_likely_and_only_there():
@@ -145,7 +145,7 @@ def test_goodput_rows_drafts_rows_with_a_match_and_probes_stale_estimates(cfg):
     pol = make_policy("goodput-rows", policy_context(cfg))
     feats = np.zeros((1, NUM_FEATURES), np.float32)
     view = RowView(*(np.zeros((1, 4), x) for x in (bool, float, float, int, int, int)),
-                   np.ones((1, 4, len(pol.actions_kw)), int))
+                   np.ones((1, 4, len(pol.actions_kw)), int), np.arange(4)[None])
     view.valid[:] = True
     view.tokens_left[:] = 100
     view.context[:] = 300
@@ -199,6 +199,57 @@ def test_rowmodel_fit_save_load_and_refusals(cfg, tmp_path):
         make_policy(f"rowmodel:{tmp_path / 'rm'}", policy_context(replace(cfg, k_choices=[*cfg.k_choices, 8])))
     with pytest.raises(ConfigError, match="rowmodel: needs a directory"):
         make_policy("rowmodel", policy_context(cfg))
+
+
+def test_rowmodel_calibration_follows_each_request_by_its_id(cfg, tmp_path):
+    """Each request's realized / predicted accepted tokens so far scale its estimates: matched by
+    rid (not slot) from one call to the next, realized = context growth - 1 where it drafted; the
+    planner gets the table's estimates times (realized + m) / (predicted + m), clipped; new
+    requests start at factor 1; reset forgets."""
+    from specrl import rowmodel
+    from specrl.envs.replay import load_replay_data
+    from specrl.replay import action_table
+
+    _, _, rows, tables = load_replay_data(cfg)
+    art = rowmodel.fit(tables, np.asarray(rows), action_table(cfg.k_choices, cfg.w_choices), calibration=2.0)
+    assert art["calibration"] == 2.0
+    rowmodel.save(art, tmp_path / "rm")
+    rowmodel.save(dict(art, calibration=0.0), tmp_path / "off")
+    ctx = policy_context(cfg)
+    pol, off = make_policy(f"rowmodel:{tmp_path / 'rm'}", ctx), make_policy(f"rowmodel:{tmp_path / 'off'}", ctx)
+    k = pol.actions_kw[:, 0].astype(float)
+    for p in (pol, off):
+        p.table[:] = 0.5 * k  # every bucket: half of a chain's drafts accepted
+    n_act = len(k)
+    sizes = 1 + pol.actions_kw[:, 0] * pol.actions_kw[:, 1]
+
+    def view(rids, contexts):
+        s = len(rids)
+        return RowView(np.ones((1, s), bool), np.full((1, s), 3.0), np.ones((1, s)), np.zeros((1, s), int),
+                       np.full((1, s), 100), np.asarray(contexts)[None], np.tile(sizes, (1, s, 1)), np.asarray(rids)[None])
+
+    feats = np.zeros((1, NUM_FEATURES), np.float32)
+    first = pol.decide_rows(feats, view([10, 11], [300, 300]))[0]
+    assert (k[first] > 0).all() and pol.history(view([10], [300]))[0].shape == (1, 1)
+    pred = 0.5 * k[first]  # what the table predicted for each row's chosen action
+    # next step: rows swapped, rid 10 accepted every draft, rid 11 none, rid 12 is new
+    v2 = view([11, 10, 12], [301, 300 + 1 + int(k[first[0]]), 300])
+    realized, predicted = pol.history(v2)
+    assert realized[0].tolist() == [0, k[first[0]], 0] and predicted[0].tolist() == [pred[1], pred[0], 0]
+    planned = {}
+    for name, p in (("cal", pol), ("off", off)):
+        plan = p.plan
+        p.plan = lambda value, v, plan=plan, name=name: planned.setdefault(name, value) is not None and plan(value, v)
+        p.decide_rows(feats, v2)
+    factor = np.clip((np.array([0, k[first[0]], 0]) + 2.0) / (np.array([pred[1], pred[0], 0]) + 2.0), 0.25, 4.0)
+    want = np.minimum(0.5 * k[None, :] * factor[:, None] + 1.0, 100)  # (S, A)
+    np.testing.assert_allclose(planned["cal"][0], want)
+    np.testing.assert_allclose(planned["off"][0], np.minimum(0.5 * k[None, :] + 1.0, 100).repeat(3, 0))
+    assert factor[0] < 1 < factor[1] and factor[2] == 1 and n_act == pol.table.shape[1]
+    pol.reset()
+    assert not pol.history(v2)[0].any()
+    with pytest.raises(ConfigError, match="calibration=-1"):
+        rowmodel.fit(tables, np.asarray(rows), action_table(cfg.k_choices, cfg.w_choices), calibration=-1)
 
 
 def test_per_request_policies_run_in_the_evaluation_harness(cfg, tmp_path):

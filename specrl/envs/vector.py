@@ -104,6 +104,8 @@ class SpecReplayVecEnv(VecEnv):
         self.sched_m: list[np.ndarray] = [np.zeros(0, np.int64)] * n
         self.arrived = np.zeros(n, np.int64)
         self.admitted = np.zeros(n, np.int64)
+        self.rid = np.full((n, s), -1, np.int64)  # per slot: request serial, never reused within an env
+        self.serial = np.zeros(n, np.int64)
         self.tokens_total = np.zeros(n, np.int64)
         self.finished_stats: list[list[tuple[float, float, float, bool]]] = [[] for _ in range(n)]
         self._actions: np.ndarray | None = None
@@ -259,6 +261,8 @@ class SpecReplayVecEnv(VecEnv):
                 self.violated[i, slot] = False
                 self.active[i, slot] = self.new[i, slot] = True
                 self.admitted[i] = q + 1
+                self.rid[i, slot] = self.serial[i]
+                self.serial[i] += 1
 
     def _load_features(self, idx: np.ndarray) -> None:
         """Load features and, for the n-gram drafter, the current contexts' match statistics."""
@@ -334,6 +338,7 @@ class SpecReplayVecEnv(VecEnv):
             tokens_left=np.where(valid, self.maxnew - self.pos, 0),
             context=np.where(valid, self.plen + self.pos, 0),
             row_tokens=np.where(valid[..., None], 1 + popcount64(tb.mask[rows]), 1),
+            rid=np.where(valid, self.rid, -1),
         )
 
     def row_outcomes(self) -> np.ndarray:

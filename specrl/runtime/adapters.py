@@ -72,7 +72,8 @@ class RowObserver:
         self._runs = runs  # finished requests drop out
         left = np.array([[r.max_new_tokens - (r.length - len(r.prompt)) for r in rows]], np.int64)
         ctx = np.array([[r.length for r in rows]], np.int64)
-        return RowView(np.ones((1, n), bool), match, count, run, left, ctx, row_tokens)
+        rid = np.array([[r.rid for r in rows]], np.int64)
+        return RowView(np.ones((1, n), bool), match, count, run, left, ctx, row_tokens, rid)
 
 
 class EngineController:

@@ -13,11 +13,16 @@ from specrl.runtime.controller import Controller
 class ControllerPolicy(BasePolicy):
     def __init__(self, ctx: PolicyContext, path: str) -> None:
         super().__init__(ctx)
+        self.path = path
         self.controller = Controller.load(path)
         self.name = f"controller:{path}"
+        # per-request artifacts plan N envs at once in replay: one controller per env, as a runtime
+        # runs one per engine (their rules may follow requests from step to step)
+        self._per_env: list[Controller] = [self.controller]
 
     def reset(self) -> None:
-        self.controller.reset()
+        for c in self._per_env:
+            c.reset()
 
     @property
     def per_row(self) -> bool:
@@ -35,10 +40,12 @@ class ControllerPolicy(BasePolicy):
 
         table = {kw: a for a, kw in enumerate(action_table(self.ctx.k_choices, self.ctx.w_choices))}
         out = np.full(view.valid.shape, table[(0, 1)], np.int64)
+        while len(self._per_env) < view.valid.shape[0]:
+            self._per_env.append(Controller.load(self.path))
         for i in range(view.valid.shape[0]):
             slots = np.flatnonzero(view.valid[i])
             one = RowView(*(getattr(view, f)[i : i + 1, slots] for f in view.__dataclass_fields__))
-            for s, (k, w) in zip(slots, self.controller.decide_rows(np.asarray(features)[i], one)):
+            for s, (k, w) in zip(slots, self._per_env[i].decide_rows(np.asarray(features)[i], one)):
                 out[i, s] = table[(k, 1 if k == 0 else w)]
         return out
 
