@@ -119,6 +119,14 @@ class CostModel:
             out = out + (dense[bi, n1, lo] * (1 - w) + dense[bi, n1, hi] * w) * wn
         return float(out) if np.ndim(out) == 0 else out
 
+    def verify_times(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """(N, DENSE_TOKENS + 1) ``verify_time(batch[i], t, context[i])`` at every integer t, from
+        one lookup (the same values bit for bit): for callers that ask many token counts per step."""
+        bi = np.clip(np.rint(np.asarray(batch)).astype(np.int64), 0, DENSE_BATCH)[:, None]  # (N, 1)
+        lo, hi, w = _axis_weights(self._axes[2], np.asarray(context, float))
+        d, t = self._dense_verify, np.arange(DENSE_TOKENS + 1)[None, :]  # (1, T)
+        return (d[bi, t, lo[:, None]] * (1 - w[:, None]) + d[bi, t, hi[:, None]] * w[:, None]) * 1.0
+
     def verify_time(self, batch: Any, tokens: Any, context: Any) -> Any:
         """Target forward with ``batch`` rows of ``tokens`` tokens at ``context``; scalars or arrays
         (batch <= 64 and tokens <= 65 are exact grid interpolations; larger values are clamped;

@@ -131,9 +131,11 @@ def plan_rows(value: np.ndarray, view: RowView, cost: object, drafter: str, acti
     best_g = g_b.max(1)
     choice, lam = best.copy(), best_g.copy()
     mean = np.take_along_axis(mean_b, choice[:, :1], 1)[:, 0]  # (N,) of the batch-level start
+    vt = cost.verify_times(batch, ctx) if iters > 0 else None  # (N, 66) verify seconds per tokens per row
+    env = np.arange(n_env)
     for _ in range(max(iters, 0)):  # each iteration plans per row and times that plan exactly
-        lo = np.clip(np.floor(mean), 1, 64)
-        per_tok = np.maximum(cost.verify_time(batch, lo + 1, ctx) - cost.verify_time(batch, lo, ctx), 0.0) / batch
+        lo = np.clip(np.floor(mean), 1, 64).astype(np.int64)
+        per_tok = np.maximum(vt[env, lo + 1] - vt[env, lo], 0.0) / batch
         choice = np.argmax(value - (lam * per_tok)[:, None, None] * row_tok, axis=2)
         choice = np.where(valid, choice, a0)
         dt, mean = seconds(choice)

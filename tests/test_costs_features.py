@@ -153,3 +153,15 @@ def test_profile_grid_caches_equal_row_by_row_prefills():
             torch.testing.assert_close(mine[:rows, :, :96], theirs[:rows, :, :96])
         got.keys[0][0].zero_()
         assert row.keys[0].abs().sum() > 0  # the source row is untouched
+
+
+def test_verify_times_row_equals_verify_time_bit_for_bit():
+    """The planner reads a whole row of verify times per env from one lookup; it must charge what
+    verify_time charges at every integer tokens per row (batches and contexts off the grid too)."""
+    cm = CostModel.analytic()
+    rng = np.random.default_rng(0)
+    batch, ctx = rng.integers(1, 70, 40), rng.uniform(10, 5000, 40)
+    rows = cm.verify_times(batch, ctx)
+    assert rows.shape == (40, 66)
+    for t in range(66):
+        assert np.array_equal(rows[:, t], cm.verify_time(batch, np.full(40, t), ctx)), t
