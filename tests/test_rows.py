@@ -409,8 +409,9 @@ def test_exported_rowmodel_controller_plans_rows_live_and_stays_lossless(cfg, ti
     bad = obs[0].copy()
     bad[0] = np.nan  # a broken feature vector: every row gets the fallback's batch decision
     before = ctl.fallbacks
+    assert ctl.rule._last is not None  # the calibration follows the requests ...
     assert ctl.decide_rows(bad, one) == [ctl.fallback.decide(np.nan_to_num(bad))] * len(slots)
-    assert ctl.fallbacks == before + 1
+    assert ctl.fallbacks == before + 1 and ctl.rule._last is None  # ... and forgets a step it did not see
     pair, _, tr = tiny_traces
     prompts = [list(p) for p in tr["ngram"].prompt_ids[:4]]
     plain = [r.output.tolist() for r in SpecEngine(pair, drafter="ngram").generate(prompts, 24, batch_size=4)]

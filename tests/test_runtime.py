@@ -71,6 +71,12 @@ def test_round_trip_guard_and_fallback(trained_run):
     assert ctl.fallbacks == 2
     assert ctl.decide(np.zeros(3)) is not None and ctl.fallbacks == 3  # wrong length: no exception
 
+    def broken(features):
+        raise RuntimeError("fallback broke too")
+
+    ctl.fallback.decide = broken
+    assert ctl.decide(far) == (0, 1) and ctl.fallbacks == 4  # one fallback, counted once
+
 
 def _copy(out, tmp_path):
     import shutil

@@ -150,8 +150,7 @@ class Controller:
             if self.rule is not None and self.low is None:  # a hand-written rule: no training range
                 return self.rule.decide(x)
             if not self.in_range(x):
-                self.fallbacks += 1
-                return self.fallback.decide(np.nan_to_num(x))
+                return self._fall_back(x)  # counted once, even if the fallback itself fails
             if self.rule is not None:  # a learned rule (accmodel:.) inside its training range
                 return self.rule.decide(x)
             if self.mean is not None:
@@ -198,6 +197,11 @@ class Controller:
             kw = self.rule.actions_kw[idx]
             return [(int(k), int(w)) for k, w in kw]
         except Exception:  # noqa: BLE001 - the serving loop must not die because of the controller
+            if self.per_row:  # the rule did not see this step: its per-request history would span two
+                try:
+                    self.rule.reset()
+                except Exception:  # noqa: BLE001
+                    pass
             return [self._fall_back(features)] * n
 
     def observe(self, features: np.ndarray, info: dict[str, Any]) -> None:
