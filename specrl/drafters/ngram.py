@@ -9,6 +9,7 @@ tokens; sibling rank = order of preference (longer n-gram first, then the most r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar
 
 import numpy as np
@@ -25,6 +26,7 @@ from specrl.tree import TreeShape
 # tokens after an 8-gram match, 2.8 after a 3-gram, 0.7 after a 1-gram.
 MAX_NGRAM = 8
 MIN_NGRAM = 1
+TREE_CONTINUATIONS = 16  # a tree is filled from at most this many distinct continuations
 
 
 @dataclass
@@ -104,7 +106,7 @@ def ngram_tree(
     Returns (tokens (n,), present (n,), match_len, num_matches); tokens[0] is the root.
     """
     # a chain needs one continuation; a tree may need one per node to fill deeper branches
-    want = 1 if shape.max_children <= 1 else min(16, shape.num_nodes)
+    want = 1 if shape.max_children <= 1 else min(TREE_CONTINUATIONS, shape.num_nodes)
     found = lookup(seq, shape.max_depth, max_ngram, min_ngram, max_continuations=want)
     tokens, present = fill_tree(found.continuations, shape)
     tokens[0] = seq[-1]
@@ -143,8 +145,11 @@ def tree_sizes(
     token), from one ``match_order`` pass shared by all of them instead of one lookup each.
 
     Why: a per-request policy asks, every step and for every row, how big each action's tree would
-    be; 22 separate lookups per row cost ~1 ms each on these CPUs. Exact: each shape takes its
-    first distinct continuations in ``lookup``'s order, as ``ngram_tree`` does (tested against it).
+    be; 22 separate lookups per row cost ~1 ms each on these CPUs. Exact (tested against
+    ``ngram_tree``): a (k, w) tree takes the first min(16, k * w) distinct continuations in
+    ``lookup``'s order, so one trie per depth k over the first 16, each node labelled with the
+    continuation that created it, holds every smaller trie too (the nodes labelled below the
+    count; along a child list labels only grow, so those are a prefix).
     Returns (sizes (len(shapes),), match_len, num_matches, the 1-token lookup's prediction or -1)."""
     length = len(seq)
     sizes = np.ones(len(shapes), np.int64)
@@ -152,26 +157,64 @@ def tree_sizes(
     if starts.size == 0:
         return sizes, 0, 0, -1
     first = int(starts[0])
+    tries: dict[int, dict[tuple[int, ...], list[tuple[int, int]]]] = {}
     for a, shape in enumerate(shapes):
-        if shape is None or shape.num_nodes == 0:
+        if shape is None:
             continue
-        k = shape.max_depth
-        if shape.max_children <= 1:  # a chain: the most preferred continuation only
+        k, nodes, chain, parent, rank = _shape_info(shape)
+        if nodes == 0:
+            continue
+        if chain:  # a chain: the most preferred continuation only
             sizes[a] = 1 + min(k, length - first)
             continue
-        want = min(16, shape.num_nodes)  # as ngram_tree asks lookup
-        conts: list[np.ndarray] = []
-        seen: set[bytes] = set()
-        for st in starts.tolist():
-            cont = seq[st : st + k]
-            key = cont.tobytes()
-            if key not in seen:
-                seen.add(key)
-                conts.append(cont)
-                if len(conts) >= want:
-                    break
-        sizes[a] = int(fill_tree(conts, shape)[1].sum())
+        trie = tries.get(k)
+        if trie is None:
+            trie = tries[k] = _labelled_trie(seq, starts, k, TREE_CONTINUATIONS)
+        want = min(TREE_CONTINUATIONS, nodes)  # as ngram_tree asks lookup
+        at: list[tuple[int, ...] | None] = [()] + [None] * nodes  # trie path of each filled node
+        filled = 1
+        for i in range(1, nodes + 1):
+            pp = at[parent[i]]
+            if pp is None:
+                continue
+            kids = trie.get(pp, ())
+            r = rank[i]
+            if r < len(kids) and kids[r][1] < want:
+                at[i] = pp + (kids[r][0],)
+                filled += 1
+        sizes[a] = filled
     return sizes, best_n, count, int(seq[first])
+
+
+@lru_cache(maxsize=512)
+def _shape_info(shape: TreeShape) -> tuple[int, int, bool, list[int], list[int]]:
+    """(depth k, draft nodes, is a chain, parent list, rank list) of a shape, computed once."""
+    return (shape.max_depth, shape.num_nodes, shape.max_children <= 1, shape.parent.tolist(), shape.rank.tolist())
+
+
+def _labelled_trie(seq: np.ndarray, starts: np.ndarray, k: int, limit: int
+                   ) -> dict[tuple[int, ...], list[tuple[int, int]]]:
+    """Trie of the first ``limit`` distinct k-token continuations at ``starts`` (in order): trie
+    path -> [(token, index of the continuation that created the child)] in insertion order."""
+    children: dict[tuple[int, ...], list[tuple[int, int]]] = {(): []}
+    seen: set[bytes] = set()
+    for st in starts.tolist():
+        cont = seq[st : st + k]
+        key = cont.tobytes()
+        if key in seen:
+            continue
+        label = len(seen)
+        seen.add(key)
+        prefix: tuple[int, ...] = ()
+        for t in cont.tolist():
+            nxt = prefix + (t,)
+            if nxt not in children:
+                children[prefix].append((t, label))
+                children[nxt] = []
+            prefix = nxt
+        if len(seen) >= limit:
+            break
+    return children
 
 
 class NGramDrafter:
