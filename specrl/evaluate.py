@@ -120,8 +120,8 @@ def run_replay(cfg: Any, policy_spec: str, loads: list[Load], seeds: list[int], 
         obs = vec.reset()
         finished: dict[int, Episode] = {}
         acts_log: list[list[tuple[float, int, int]]] = [[] for _ in pts]
-        is_oracle = getattr(pols[0], "name", "") == "oracle"  # the batch-level one (oracle-rows is per_row)
         per_row = getattr(pols[0], "per_row", False)
+        is_oracle = getattr(pols[0], "clairvoyant", False) and not per_row  # the batch-level oracle
         while len(finished) < len(pts):
             times = vec.t.copy()
             if per_row:  # stateless per-request policies: one call plans every env's rows

@@ -117,6 +117,7 @@ class SpecDecodeEnv(SpecEnvBase):
 
     def _build_loop(self) -> ServingLoop:
         from specrl.engine import SpecEngine
+        from specrl.replay import action_table
         from specrl.sampling import SamplingParams
 
         cfg = self.cfg
@@ -128,6 +129,8 @@ class SpecDecodeEnv(SpecEnvBase):
         cost = load_cost_model(cfg) if cfg.time_source == "profiled" or cfg.time_penalty == "ar" else None
         self.cost_model = cost
         self.engine = engine
+        # (A, 2) the (k, w) of every per-request action index (the replay tables' order)
+        self.actions_kw = np.asarray(action_table(list(self.k_choices), list(self.w_choices)))
         self._observer: Any = None
         return ServingLoop(LiveBackend(engine, pool.ids), Workload(cfg.workload, pool), time_function(cfg, cost),
                            cfg.horizon_s)
@@ -137,13 +140,6 @@ class SpecDecodeEnv(SpecEnvBase):
         return super().reset(seed=seed, options=options)
 
     # ----- per-request actions ------------------------------------------------------------------
-    @property
-    def actions_kw(self) -> np.ndarray:
-        """(A, 2) the (k, w) of every per-request action index (the replay tables' order)."""
-        from specrl.replay import action_table
-
-        return np.asarray(action_table(list(self.k_choices), list(self.w_choices)))
-
     def row_view(self) -> Any:
         """The running requests' ``RowView`` (one env: arrays of shape (1, B)) for the next step.
 

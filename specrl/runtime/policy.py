@@ -12,6 +12,8 @@ from specrl.runtime.controller import Controller
 
 class ControllerPolicy(BasePolicy):
     def __init__(self, ctx: PolicyContext, path: str) -> None:
+        from specrl.replay import action_table
+
         super().__init__(ctx)
         self.path = path
         self.controller = Controller.load(path)
@@ -19,6 +21,8 @@ class ControllerPolicy(BasePolicy):
         # per-request artifacts plan N envs at once in replay: one controller per env, as a runtime
         # runs one per engine (their rules may follow requests from step to step)
         self._per_env: list[Controller] = [self.controller]
+        # (k, w) -> the env's action index (what decide_rows returns)
+        self._index = {kw: a for a, kw in enumerate(action_table(ctx.k_choices, ctx.w_choices))}
 
     def reset(self) -> None:
         for c in self._per_env:
@@ -35,10 +39,9 @@ class ControllerPolicy(BasePolicy):
     def decide_rows(self, features: np.ndarray, view: Any) -> np.ndarray:
         """(N, S) action indices (the env's order) from the controller's (k, w) per running row:
         what the replay harness asks of per-request policies, through the exported artifact."""
-        from specrl.replay import action_table
         from specrl.rows import RowView
 
-        table = {kw: a for a, kw in enumerate(action_table(self.ctx.k_choices, self.ctx.w_choices))}
+        table = self._index
         out = np.full(view.valid.shape, table[(0, 1)], np.int64)
         while len(self._per_env) < view.valid.shape[0]:
             self._per_env.append(Controller.load(self.path))
