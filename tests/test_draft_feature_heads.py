@@ -1,0 +1,110 @@
+"""The feature-head probe (benchmarks/draft_feature_heads.py): its position bookkeeping and training.
+
+Its alpha is only meaningful if column c of the head's output is compared with the target's
+label for the right token; these tests check that with the target's *true* features standing in
+for a perfect head (alpha must then be exactly 1), on sequences cropped and uncropped.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import draft_feature_heads as fh  # noqa: E402
+
+from specrl.drafttrain.data import Sequence_  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def _sequences(target, n=6, window=64):
+    """Random prompts + tokens, labelled with the target's teacher-forced top-4 (as `specrl draft data`).
+
+    The target sees the last ``window`` tokens only (what the probe's features see after a
+    crop); labels at positions before the window are -1 and must never be scored."""
+    g = torch.Generator().manual_seed(1)
+    seqs = []
+    for i in range(n):
+        pl, gen = 3 + i, 5 + (i % 3)
+        toks = torch.randint(0, 64, (pl + gen,), generator=g)
+        start = max(0, len(toks) - window)
+        with torch.no_grad():
+            logits = target(toks[None, start:]).logits[0]  # (L - start, V)
+        top_i = torch.full((gen, 4), -1, dtype=torch.long)
+        top_v = torch.zeros(gen, 4)
+        for m in range(gen):  # label m: the target's view at position pl + m - 1
+            p = pl + m - 1 - start
+            if p >= 0:
+                top = logits[p].topk(4)
+                top_i[m], top_v[m] = top.indices, top.values
+        seqs.append(Sequence_(toks, pl, top_i, top_v, "cat" + str(i % 2), "train-greedy"))
+    return seqs
+
+
+@pytest.mark.parametrize("max_len", [64, 7])  # 7 crops every sequence's start
+def test_true_features_score_alpha_one_at_the_label_columns(target, max_len):
+    seqs = _sequences(target, window=max_len)
+    feats = fh.target_features(target, seqs, max_len, progress=False)
+    head = target.get_output_embeddings().weight  # (V, H)
+    _, _, _, fout, mask = fh.collate(seqs, feats, list(range(len(seqs))), max_len)
+    checked = 0
+    for b, s in enumerate(seqs):
+        col, ok = fh.label_columns(s, max_len)
+        pred = (fout[b, col[ok]] @ head.T).argmax(-1)  # the true f at each column -> its argmax
+        assert torch.equal(pred, s.top_i[ok, 0])
+        # a label is scored iff the feature before its position is inside the window
+        start = max(0, len(s.tokens) - max_len)
+        assert torch.equal(ok, s.prompt_len + torch.arange(len(ok)) - 1 - start >= 1)
+        checked += int(ok.sum())
+        assert mask[b, col[ok]].all()  # every label column is a trained position
+    assert checked > 0
+
+
+def test_generated_only_mask_keeps_exactly_the_label_columns(target):
+    seqs = _sequences(target)
+    feats = fh.target_features(target, seqs, 64, progress=False)
+    _, _, _, _, mask = fh.collate(seqs, feats, list(range(len(seqs))), 64, generated_only=True)
+    for b, s in enumerate(seqs):
+        col, ok = fh.label_columns(s, 64)
+        want = torch.zeros_like(mask[b])
+        want[col[ok]] = True
+        assert torch.equal(mask[b], want)
+
+
+def test_heads_train_their_own_weights_on_a_frozen_target(target):
+    seqs = _sequences(target)
+    feats = fh.target_features(target, seqs, 64, progress=False)
+    ids = torch.arange(64)
+    for kind in fh.HEADS:
+        head = fh.FeatureHead(target, ids, kind)
+        trainable = {n for n, p in head.named_parameters() if p.requires_grad}
+        # the eagle layer is a copy of a frozen target layer: it must still train (a bug once)
+        assert any(n.startswith("layer." if kind == "eagle" else "mlp.") for n in trainable)
+        assert not any(n.startswith("embed") for n in trainable)
+    args = argparse.Namespace(seed=0, lr=3e-3, max_len=64, batch_tokens=64, epochs=3.0, eval_every=5,
+                              w_cls=0.1, positions="all", no_progress=True)
+    res = fh.train_head("mlp", target, seqs, feats, seqs, feats, ids, args)
+    first, last = res["curve"][0], res["final"]
+    assert 0.0 <= last["alpha"] <= 1.0 and last["tokens"] == sum(int(fh.label_columns(s, 64)[1].sum()) for s in seqs)
+    assert last["trained_tokens"] > 0 and last["step"] == res["steps"]
+    assert last["alpha"] >= first["alpha"]  # on its own training data, training must not lose agreement
+
+
+def test_unknown_head_is_refused_with_the_allowed_names(target):
+    from specrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="eagle, mlp"):
+        fh.FeatureHead(target, torch.arange(8), "medusa")
