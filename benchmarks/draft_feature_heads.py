@@ -29,7 +29,8 @@ generated sequences). Compare with the token-level draft trained on the same dir
         --compare-run RUN_DIR --out bench-out/feature-heads
 
 Writes ``OUT/feature_heads.json`` (curves, settings) and ``OUT/feature_heads.png`` (alpha vs
-trained tokens, with the compared run's and the shipped draft's curves). Last line: one JSON
+trained tokens, with the compared run's and the shipped draft's curves), and each head's draft-step cost as
+a fraction c of a target step (:func:`head_cost`). Last line: one JSON
 object ``{"<head>": alpha, ...}`` with each head's final held-out alpha.
 """
 
@@ -263,7 +264,38 @@ def train_head(kind: str, target: nn.Module, train: list[Sequence_], ftrain: lis
                       file=sys.stderr, flush=True)
         epoch += 1
     bar.close()
-    return {"curve": curve, "final": curve[-1], "steps": total, "params": sum(p.numel() for p in params)}
+    return {"curve": curve, "final": curve[-1], "steps": total, "params": sum(p.numel() for p in params), "head": head}
+
+
+@torch.inference_mode()
+def head_cost(head: FeatureHead, target: nn.Module, context: int = 256, reps: int = 30) -> dict:
+    """Milliseconds of one draft step of ``head`` (1 position: fc, body, shortlist argmax) and of
+    one single-token target forward over a ``context``-token KV cache, at batch 1, interleaved.
+
+    Why: at k = 1 a draft that agrees ``alpha`` and costs ``c`` of a target step pays about
+    (1 + alpha) / (v2 + c), v2 = a 2-token verify's cost; a feature head's case rests on a small c.
+    The target side is transformers' own cached forward, not the engine's kernels (a ratio, not an
+    engine measurement).
+    """
+    from specrl.kvcache import cache_kwarg
+
+    head.eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.config.vocab_size, (1, context + 1), generator=g)
+    out = target(input_ids=ids[:, :context], use_cache=True)
+    kw = {cache_kwarg(target): out.past_key_values, "use_cache": True}
+    f = out.logits.new_zeros(1, 1, target.config.hidden_size)
+    pos = torch.tensor([[context]])
+    times: dict[str, list[float]] = {"target": [], "head": []}
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        target(input_ids=ids[:, context:], position_ids=pos, **kw)  # the cache grows by one per call: negligible
+        t1 = time.perf_counter()
+        head.ids[head.short(head(f, ids[:, context:], pos)).argmax(-1)]
+        times["target"].append(t1 - t0)
+        times["head"].append(time.perf_counter() - t1)
+    med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+    return {"target_step_ms": med["target"], "head_step_ms": med["head"], "c": med["head"] / med["target"]}
 
 
 def plot(results: dict, compare: list[dict] | None, card_curve: list[dict] | None, path: Path) -> None:
@@ -278,7 +310,7 @@ def plot(results: dict, compare: list[dict] | None, card_curve: list[dict] | Non
         ax.plot([p["trained_tokens"] for p in c], [p["alpha"] for p in c], marker="o", ms=3, label=f"{kind} head (this data)")
     if compare:
         ax.plot([p["train_tokens"] for p in compare], [p["alpha"] for p in compare], marker="s", ms=3,
-                label="2-layer token draft (this data)")
+                label="2-layer token draft (this data; 64-prompt eval subset before its last point)")
     if card_curve:
         ax.plot([p["train_tokens"] for p in card_curve], [p["alpha"] for p in card_curve], ls="--", color="grey",
                 label="shipped 2-layer draft (GPU data, 731k unique)")
@@ -333,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     eos = target.generation_config.eos_token_id
     always = [eos] if isinstance(eos, int) else list(eos or [])
     ids = shortlist_from_counts(shortlist_scores(token_counts(train, target.config.vocab_size)), a.shortlist, always)
-    results = {k: train_head(k, target, train, ftrain, held, fheld, ids, a) for k in kinds}
+    results = {}
+    for k in kinds:
+        results[k] = train_head(k, target, train, ftrain, held, fheld, ids, a)
+        results[k]["cost"] = head_cost(results[k].pop("head"), target)
     compare = None
     if a.compare_run is not None:
         lines = (a.compare_run / "curve.jsonl").read_text().splitlines()
@@ -350,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, r in results.items():
         f = r["final"]
         print(f"{k}: held-out alpha {f['alpha']:.3f} (step 2 {f['alpha_step2']:.3f}) after {f['trained_tokens']} "
-              f"trained tokens over {unique} positions; {r['params'] / 1e6:.1f}M params")
+              f"trained tokens over {unique} positions; {r['params'] / 1e6:.1f}M params; a draft step costs "
+              f"{r['cost']['head_step_ms']:.2f} ms = {r['cost']['c']:.3f} of a target step ({r['cost']['target_step_ms']:.1f} ms)")
     if compare:
         print(f"2-layer token draft on the same data: alpha {compare[-1]['alpha']:.3f} after {compare[-1]['train_tokens']} tokens")
     print(json.dumps({k: round(r["final"]["alpha"], 4) for k, r in results.items()}))

@@ -101,6 +101,10 @@ def test_heads_train_their_own_weights_on_a_frozen_target(target):
     assert 0.0 <= last["alpha"] <= 1.0 and last["tokens"] == sum(int(fh.label_columns(s, 64)[1].sum()) for s in seqs)
     assert last["trained_tokens"] > 0 and last["step"] == res["steps"]
     assert last["alpha"] >= first["alpha"]  # on its own training data, training must not lose agreement
+    # the trained head's draft-step cost against a cached single-token target forward
+    cost = fh.head_cost(res["head"], target, context=16, reps=3)
+    assert cost["target_step_ms"] > 0 and cost["head_step_ms"] > 0
+    assert cost["c"] == pytest.approx(cost["head_step_ms"] / cost["target_step_ms"])
 
 
 def test_unknown_head_is_refused_with_the_allowed_names(target):
