@@ -40,7 +40,6 @@ import argparse
 import copy
 import json
 import math
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -52,6 +51,7 @@ from torch import nn
 
 from specrl.drafttrain.data import Sequence_, load_sequences, shard_files
 from specrl.drafttrain.student import shortlist_from_counts
+from specrl.drafttrain.train import batches as token_batches
 from specrl.drafttrain.train import shortlist_scores, token_counts
 from specrl.errors import ConfigError
 
@@ -163,22 +163,8 @@ def collate(seqs: Sequence[Sequence_], feats: Sequence[torch.Tensor], idx: Seque
 
 
 def batches(seqs: Sequence[Sequence_], max_len: int, budget: int, seed: int) -> list[list[int]]:
-    """Shuffled, length-sorted within windows of 64 (little padding), under a token budget."""
-    order = list(range(len(seqs)))
-    random.Random(seed).shuffle(order)
-    out: list[list[int]] = []
-    for w in range(0, len(order), 64):
-        cur: list[int] = []
-        for i in sorted(order[w : w + 64], key=lambda j: len(seqs[j].tokens)):
-            width = min(max(len(seqs[j].tokens) for j in [*cur, i]), max_len)
-            if cur and width * (len(cur) + 1) > budget:
-                out.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            out.append(cur)
-    random.Random(seed + 1).shuffle(out)
-    return out
+    """The token draft's batching (shuffled, length-sorted windows), with widths cropped to ``max_len``."""
+    return token_batches(seqs, budget, seed, max_len)
 
 
 def label_columns(s: Sequence_, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

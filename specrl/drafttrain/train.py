@@ -77,8 +77,11 @@ def shortlist_scores(counts: torch.Tensor, prior_weight: float = 0.5) -> torch.T
     return counts / counts.sum().clamp_min(1) + prior_weight * prior / prior.sum()
 
 
-def batches(seqs: Sequence[Sequence_], batch_tokens: int, seed: int) -> list[list[int]]:
-    """Sequence indices per step: shuffled, then length-sorted within windows (little padding)."""
+def batches(seqs: Sequence[Sequence_], batch_tokens: int, seed: int, max_len: int | None = None) -> list[list[int]]:
+    """Sequence indices per step: shuffled, then length-sorted within windows (little padding).
+
+    ``max_len``: the width a sequence takes after the caller crops it (None: uncropped).
+    """
     order = list(range(len(seqs)))
     random.Random(seed).shuffle(order)
     out: list[list[int]] = []
@@ -87,6 +90,8 @@ def batches(seqs: Sequence[Sequence_], batch_tokens: int, seed: int) -> list[lis
         cur: list[int] = []
         for i in window:
             width = max([len(seqs[j].tokens) for j in cur] + [len(seqs[i].tokens)])
+            if max_len is not None:
+                width = min(width, max_len)
             if cur and width * (len(cur) + 1) > batch_tokens:
                 out.append(cur)
                 cur = []
