@@ -51,8 +51,7 @@ from torch import nn
 
 from specrl.drafttrain.data import Sequence_, load_sequences, shard_files
 from specrl.drafttrain.student import shortlist_from_counts
-from specrl.drafttrain.train import batches as token_batches
-from specrl.drafttrain.train import shortlist_scores, token_counts
+from specrl.drafttrain.train import batches, shortlist_scores, token_counts
 from specrl.errors import ConfigError
 
 HEADS = ("eagle", "mlp")
@@ -162,11 +161,6 @@ def collate(seqs: Sequence[Sequence_], feats: Sequence[torch.Tensor], idx: Seque
     return fin, tok, pos, fout, mask
 
 
-def batches(seqs: Sequence[Sequence_], max_len: int, budget: int, seed: int) -> list[list[int]]:
-    """The token draft's batching (shuffled, length-sorted windows), with widths cropped to ``max_len``."""
-    return token_batches(seqs, budget, seed, max_len)
-
-
 def label_columns(s: Sequence_, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(G,) column of :func:`collate`'s output that predicts each generated token, and whether it exists.
 
@@ -183,7 +177,7 @@ def label_columns(s: Sequence_, max_len: int) -> tuple[torch.Tensor, torch.Tenso
 def evaluate(head: FeatureHead, seqs: Sequence[Sequence_], feats: Sequence[torch.Tensor], max_len: int) -> dict:
     """Held-out alpha (true features) and alpha_step2 (one own feature) per category."""
     per: dict[str, list[int]] = {}
-    for idx in batches(seqs, max_len, 8192, 0):
+    for idx in batches(seqs, 8192, 0, max_len):
         fin, tok, pos, _, _ = collate(seqs, feats, idx, max_len)
         fh = head(fin, tok, pos)  # column c predicts f_{c+1}, i.e. token c+2 (cropped coordinates)
         pred = head.ids[head.short(fh).argmax(-1)]  # (B, W)
@@ -212,7 +206,7 @@ def train_head(kind: str, target: nn.Module, train: list[Sequence_], ftrain: lis
     head = FeatureHead(target, ids, kind)
     params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith("embed")]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
-    per_epoch = len(batches(train, a.max_len, a.batch_tokens, 0))
+    per_epoch = len(batches(train, a.batch_tokens, 0, a.max_len))
     total = max(1, int(per_epoch * a.epochs))
     curve = [{"step": 0, "trained_tokens": 0, **evaluate(head.eval(), held, fheld, a.max_len)}]
     head.train()
@@ -220,7 +214,7 @@ def train_head(kind: str, target: nn.Module, train: list[Sequence_], ftrain: lis
     bar = tqdm(total=total, desc=f"{kind} head", disable=a.no_progress)
     epoch = 0
     while step < total:
-        for idx in batches(train, a.max_len, a.batch_tokens, a.seed * 1000 + epoch):
+        for idx in batches(train, a.batch_tokens, a.seed * 1000 + epoch, a.max_len):
             if step >= total:
                 break
             lr = a.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / total)))

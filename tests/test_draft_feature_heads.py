@@ -112,3 +112,12 @@ def test_unknown_head_is_refused_with_the_allowed_names(target):
 
     with pytest.raises(ConfigError, match="eagle, mlp"):
         fh.FeatureHead(target, torch.arange(8), "medusa")
+
+
+def test_cli_refuses_unknown_heads_and_missing_data_before_loading_a_model(tmp_path):
+    from specrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--heads 'mlp,medusa' names unknown heads \['medusa'\]. Allowed: eagle, mlp"):
+        fh.main(["--data-dir", str(tmp_path), "--heads", "mlp,medusa", "--model", "no-such-model"])
+    with pytest.raises(ConfigError, match="lacks held-out or training shards. Fix: run `specrl draft data"):
+        fh.main(["--data-dir", str(tmp_path), "--heads", "mlp", "--model", "no-such-model"])
