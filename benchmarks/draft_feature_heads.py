@@ -7,8 +7,9 @@ tokens, and needs no generation at all: teacher forcing gives features and label
 This script asks, before any engine work: at the data this machine can make, which head
 predicts the target best?
 
-Heads (each predicts the target's feature f_i from f_{i-1} and the embedding of token i, then
-scores it with the target's frozen head over a shortlist; the argmax is the draft for token i+1):
+Heads (``specrl.drafttrain.feature``; each predicts the target's feature f_i from f_{i-1} and the
+embedding of token i, then scores it with the target's frozen head over a shortlist; the argmax
+is the draft for token i+1):
 
 * ``eagle``: fc(2H -> H) + one Llama decoder layer (causal attention over the history), as EAGLE.
 * ``mlp``: fc(2H -> H) + a residual MLP, position-wise (no attention), Medusa-like.
@@ -37,214 +38,15 @@ object ``{"<head>": alpha, ...}`` with each head's final held-out alpha.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import math
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specrl.drafttrain.data import Sequence_, load_sequences, shard_files
-from specrl.drafttrain.student import shortlist_from_counts
-from specrl.drafttrain.train import batches, shortlist_scores, token_counts
+from specrl.drafttrain.feature import HEADS, FeatureHead, HeadConfig, check_data_dir, load_data, train_head
 from specrl.errors import ConfigError
-
-HEADS = ("eagle", "mlp")
-
-
-@torch.inference_mode()
-def target_features(target: nn.Module, seqs: Sequence[Sequence_], max_len: int, budget: int = 8192,
-                    progress: bool = True) -> list[torch.Tensor]:
-    """Per sequence: (n, H) float16 post-norm last hidden states of the target (teacher forced).
-
-    Sequences longer than ``max_len`` keep their end (the generated part), as ``specrl draft train``'s
-    collation does.
-    """
-    from tqdm.auto import tqdm
-
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens))
-    out: list[torch.Tensor | None] = [None] * len(seqs)
-    groups: list[list[int]] = [[]]
-    for i in order:
-        w = min(len(seqs[i].tokens), max_len)
-        if groups[-1] and w * (len(groups[-1]) + 1) > budget:
-            groups.append([])
-        groups[-1].append(i)
-    device = next(target.parameters()).device
-    bar = tqdm(total=sum(min(len(s.tokens), max_len) for s in seqs), unit="tok", desc="target features",
-               disable=not progress)
-    for grp in groups:
-        lens = [min(len(seqs[i].tokens), max_len) for i in grp]
-        x = torch.zeros(len(grp), max(lens), dtype=torch.long)  # right padding: causal rows ignore it
-        for b, i in enumerate(grp):
-            x[b, : lens[b]] = seqs[i].tokens[-lens[b]:]
-        h = target.model(input_ids=x.to(device)).last_hidden_state  # (B, W, H)
-        for b, i in enumerate(grp):
-            out[i] = h[b, : lens[b]].half().cpu()
-        bar.update(sum(lens))
-    bar.close()
-    return out  # type: ignore[return-value]
-
-
-class FeatureHead(nn.Module):
-    """f_{i-1} (B, L, H) and token i (B, L) -> f-hat_i (B, L, H); ``short`` scores the shortlist."""
-
-    def __init__(self, target: nn.Module, ids: torch.Tensor, kind: str) -> None:
-        super().__init__()
-        if kind not in HEADS:
-            raise ConfigError(f"Unknown head {kind!r}. Allowed: {', '.join(HEADS)}.")
-        hid = target.config.hidden_size
-        self.kind = kind
-        self.embed = target.get_input_embeddings()  # frozen, shared
-        self.fc = nn.Linear(2 * hid, hid)
-        nn.init.normal_(self.fc.weight, std=0.02)
-        with torch.no_grad():  # start near "the previous feature": the fc passes f_{i-1} through
-            self.fc.weight[:, :hid] += torch.eye(hid)
-        nn.init.zeros_(self.fc.bias)
-        self.layer: nn.Module | None = None
-        self.mlp: nn.Module | None = None
-        if kind == "eagle":
-            # a fresh layer of the target's shape (copying a target layer starts far worse: its
-            # residual stream's scale does not match post-norm features; measured while building this)
-            self.layer = copy.deepcopy(target.model.layers[0]).requires_grad_(True)  # the target's are frozen
-            for m in self.layer.modules():
-                if isinstance(m, nn.Linear):
-                    nn.init.normal_(m.weight, std=0.02)
-            self.rotary = copy.deepcopy(target.model.rotary_emb)
-        else:
-            self.mlp = nn.Sequential(nn.LayerNorm(hid), nn.Linear(hid, 4 * hid), nn.SiLU(), nn.Linear(4 * hid, hid))
-            nn.init.zeros_(self.mlp[-1].weight)
-        self.register_buffer("ids", ids.long())  # (S,)
-        self.register_buffer("sub_w", target.get_output_embeddings().weight.detach()[ids].clone())  # (S, H)
-
-    def forward(self, f_prev: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        x = self.fc(torch.cat([f_prev, self.embed(tok)], -1))  # (B, L, H)
-        if self.mlp is not None:
-            return x + self.mlp(x)
-        cos, sin = self.rotary(x, pos)
-        out = self.layer(x, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin))  # causal
-        return out[0] if isinstance(out, tuple) else out
-
-    def short(self, h: torch.Tensor) -> torch.Tensor:
-        return h @ self.sub_w.T  # (..., S)
-
-
-def collate(seqs: Sequence[Sequence_], feats: Sequence[torch.Tensor], idx: Sequence[int], max_len: int,
-            generated_only: bool = False):
-    """Inputs (f_{i-1}, token i, position i) and targets f_i for i = 1..n-1 of each sequence.
-
-    ``generated_only`` keeps in ``mask`` only the positions that label a generated token (what
-    the token-level draft is trained on; prompts then serve only as context)."""
-    lens = [min(len(seqs[i].tokens), max_len) for i in idx]
-    w, hid = max(lens) - 1, feats[idx[0]].shape[1]
-    fin = torch.zeros(len(idx), w, hid)
-    fout = torch.zeros(len(idx), w, hid)
-    tok = torch.zeros(len(idx), w, dtype=torch.long)
-    pos = torch.zeros(len(idx), w, dtype=torch.long)
-    mask = torch.zeros(len(idx), w, dtype=torch.bool)
-    for b, (i, n) in enumerate(zip(idx, lens)):
-        f, t = feats[i].float(), seqs[i].tokens[-n:]
-        start = len(seqs[i].tokens) - n
-        fin[b, : n - 1], fout[b, : n - 1], tok[b, : n - 1] = f[: n - 1], f[1:n], t[1:n]
-        pos[b, : n - 1] = torch.arange(start + 1, start + n)
-        # column c's target f_{c+1} labels token c+2: generated tokens only, or every position
-        # (the last column's target, f_{n-1}, labels no token of the data: kept only with every position)
-        if generated_only:
-            mask[b, max(0, seqs[i].prompt_len - 2 - start) : n - 2] = True
-        else:
-            mask[b, : n - 1] = True
-    return fin, tok, pos, fout, mask
-
-
-def label_columns(s: Sequence_, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(G,) column of :func:`collate`'s output that predicts each generated token, and whether it exists.
-
-    Column c holds f-hat for position start + c + 1, whose argmax is the draft for token
-    start + c + 2; generated token g is token prompt_len + g.
-    """
-    n = min(len(s.tokens), max_len)
-    start = len(s.tokens) - n
-    col = s.prompt_len + torch.arange(s.top_i.shape[0]) - 2 - start
-    return col, (col >= 0) & (col < n - 1)
-
-
-@torch.no_grad()
-def evaluate(head: FeatureHead, seqs: Sequence[Sequence_], feats: Sequence[torch.Tensor], max_len: int) -> dict:
-    """Held-out alpha (true features) and alpha_step2 (one own feature) per category."""
-    per: dict[str, list[int]] = {}
-    for idx in batches(seqs, 8192, 0, max_len):
-        fin, tok, pos, _, _ = collate(seqs, feats, idx, max_len)
-        fh = head(fin, tok, pos)  # column c predicts f_{c+1}, i.e. token c+2 (cropped coordinates)
-        pred = head.ids[head.short(fh).argmax(-1)]  # (B, W)
-        fin2 = fin.clone()
-        fin2[:, 1:] = fh[:, :-1]
-        pred2 = head.ids[head.short(head(fin2, tok, pos)).argmax(-1)]
-        for b, i in enumerate(idx):
-            s = seqs[i]
-            col, ok = label_columns(s, max_len)
-            tgt = s.top_i[ok, 0]
-            c = per.setdefault(s.category, [0, 0, 0])
-            c[0] += int((pred[b, col[ok]] == tgt).sum())
-            c[1] += int((pred2[b, col[ok]] == tgt).sum())
-            c[2] += int(ok.sum())
-    tot = [sum(v[j] for v in per.values()) for j in range(3)]
-    return {"alpha": tot[0] / max(1, tot[2]), "alpha_step2": tot[1] / max(1, tot[2]), "tokens": tot[2],
-            "per_category": {k: round(v[0] / max(1, v[2]), 4) for k, v in sorted(per.items())}}
-
-
-def train_head(kind: str, target: nn.Module, train: list[Sequence_], ftrain: list[torch.Tensor],
-               held: list[Sequence_], fheld: list[torch.Tensor], ids: torch.Tensor, a: argparse.Namespace) -> dict:
-    """One head's schedule (warmup + cosine to 10%); a held-out point every ``eval_every`` steps."""
-    from tqdm.auto import tqdm
-
-    torch.manual_seed(a.seed)
-    head = FeatureHead(target, ids, kind)
-    params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith("embed")]
-    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
-    per_epoch = len(batches(train, a.batch_tokens, 0, a.max_len))
-    total = max(1, int(per_epoch * a.epochs))
-    curve = [{"step": 0, "trained_tokens": 0, **evaluate(head.eval(), held, fheld, a.max_len)}]
-    head.train()
-    step, seen, t0 = 0, 0, time.time()
-    bar = tqdm(total=total, desc=f"{kind} head", disable=a.no_progress)
-    epoch = 0
-    while step < total:
-        for idx in batches(train, a.batch_tokens, a.seed * 1000 + epoch, a.max_len):
-            if step >= total:
-                break
-            lr = a.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / total)))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            fin, tok, pos, fout, mask = collate(train, ftrain, idx, a.max_len, a.positions == "generated")
-            pred = head(fin, tok, pos)[mask]  # (M, H)
-            true = fout[mask]
-            reg = F.smooth_l1_loss(pred, true)
-            soft = torch.softmax(head.short(true), -1)  # (M, S) the target's distribution on the shortlist
-            cls = -(soft * torch.log_softmax(head.short(pred), -1)).sum(-1).mean()
-            loss = reg + a.w_cls * cls
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            seen += int(mask.sum())
-            bar.update(1)
-            if step % a.eval_every == 0 or step == total:
-                point = {"step": step, "trained_tokens": seen, "minutes": (time.time() - t0) / 60,
-                         **evaluate(head.eval(), held, fheld, a.max_len)}
-                head.train()
-                curve.append(point)
-                bar.set_postfix(alpha=f"{point['alpha']:.3f}")
-                print(json.dumps({"head": kind, **{k: v for k, v in point.items() if k != "per_category"}}),
-                      file=sys.stderr, flush=True)
-        epoch += 1
-    bar.close()
-    return {"curve": curve, "final": curve[-1], "steps": total, "params": sum(p.numel() for p in params), "head": head}
 
 
 @torch.inference_mode()
@@ -333,21 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     from specrl.models import load_causal_lm
 
-    held = load_sequences(shard_files(a.data_dir, "heldout"))
-    train = [s for s in load_sequences(shard_files(a.data_dir, "train")) if not s.stage.endswith("-text")]
-    if not held or not train:
-        raise ConfigError(f"{a.data_dir} lacks held-out or training shards. Fix: run `specrl draft data --data-dir "
-                          f"{a.data_dir}` first (the held-out stage comes first, then train-greedy).")
+    check_data_dir(a.data_dir)
+
     target, _, name = load_causal_lm(a.model, torch.device("cpu"), torch.float32)
     target.requires_grad_(False)
-    fheld = target_features(target, held, a.max_len, progress=not a.no_progress)
-    ftrain = target_features(target, train, a.max_len, progress=not a.no_progress)
-    eos = target.generation_config.eos_token_id
-    always = [eos] if isinstance(eos, int) else list(eos or [])
-    ids = shortlist_from_counts(shortlist_scores(token_counts(train, target.config.vocab_size)), a.shortlist, always)
+    train, ftrain, held, fheld, ids = load_data(target, a.data_dir, a.max_len, a.shortlist, progress=not a.no_progress)
     results = {}
     for k in kinds:
-        results[k] = train_head(k, target, train, ftrain, held, fheld, ids, a)
+        cfg = HeadConfig(kind=k, epochs=a.epochs, lr=a.lr, w_cls=a.w_cls, batch_tokens=a.batch_tokens, max_len=a.max_len,
+                         shortlist=a.shortlist, positions=a.positions, eval_every=a.eval_every, seed=a.seed)
+        results[k] = train_head(target, train, ftrain, held, fheld, ids, cfg, progress=not a.no_progress)
         results[k]["cost"] = head_cost(results[k].pop("head"), target)
     compare = None
     if a.compare_run is not None:

@@ -97,6 +97,8 @@ class SpecEngine:
         self.device = pair.device
         self.drafter = make_drafter(drafter, pair) if isinstance(drafter, str) else drafter
         self.drafter_name = drafter if isinstance(drafter, str) else type(drafter).__name__
+        # a feature drafter reads the target's last hidden state (prefill and every verify pass)
+        self._features = bool(getattr(self.drafter, "uses_target_features", False))
         self.sampling = sampling or SamplingParams()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -186,8 +188,10 @@ class SpecEngine:
         seqs = [r.seq for r in joining]
         sw = Stopwatch(self.device)
         sw.start("prefill")
-        prefill(self.pair.target, self.cache, seqs, self.device)
+        hidden = prefill(self.pair.target, self.cache, seqs, self.device, output_hidden=self._features)
         self.drafter.join(seqs)
+        if hidden is not None:
+            self.drafter.observe_features(hidden, len(self.rows))  # type: ignore[attr-defined]
         sw.stop("prefill")
         self.rows.extend(joining)
         # charged to the next step (its StepResult's prefill fields and step_time), whether that
@@ -300,8 +304,10 @@ class SpecEngine:
             if wanted.all():
                 wanted = None  # every row asked for the whole union: nothing to pack away
         choice = None
+        slot = None  # (B, n) packed index of each computed node, for the feature drafter
         if wanted is None:
-            logits, _ = self.cache.forward(self.pair.target, draft.tokens, pos, tail, base)  # (B, n, V)
+            logits, hidden = self.cache.forward(self.pair.target, draft.tokens, pos, tail, base,
+                                                output_hidden=self._features)  # (B, n, V), (B, n, H) | None
             verify_tokens = bsz * n
             self.pass_counts["padded"] += 1
         else:
@@ -309,10 +315,13 @@ class SpecEngine:
             rows_t, nodes_t = torch.from_numpy(rows_h).to(dev), torch.from_numpy(nodes_h).to(dev)
             runs = self._attention_runs(wanted)
             self.pass_counts["packed" if runs is None else "packed-runs"] += 1
-            packed_logits, _ = self.cache.forward(
+            packed_logits, hidden = self.cache.forward(
                 self.pair.target, draft.tokens[rows_t, nodes_t][None], pos[rows_t, nodes_t][None], tail, base,
-                pack=(rows_t, nodes_t, runs),
-            )  # (1, N, V)
+                pack=(rows_t, nodes_t, runs), output_hidden=self._features,
+            )  # (1, N, V), (1, N, H) | None
+            if hidden is not None:
+                slot = torch.zeros(bsz, n, dtype=torch.long, device=dev)
+                slot[rows_t, nodes_t] = torch.arange(rows_t.numel(), device=dev)
             if self.sampling.greedy:  # greedy reads the argmax only: no (B, n, V) buffer
                 logits = None
                 choice = torch.zeros(bsz, n, dtype=torch.long, device=dev)  # (B, n)
@@ -325,6 +334,12 @@ class SpecEngine:
                           draft.top1, draft.entropy, draft.match_len, draft.num_matches)
             verify_tokens = int(rows_h.size)
         out = verify(tree, draft.tokens, draft.present, logits, draft.probs, self.sampling, self.generator, choice)
+        if hidden is not None:
+            # the target's feature at each row's last accepted node: the position before the new root (the bonus)
+            ar = torch.arange(bsz, device=dev)
+            last = out.last_node  # (B,) verify node ids
+            feats = hidden[ar, last] if slot is None else hidden[0, slot[ar, last]]  # (B, H)
+            self.drafter.observe_features(feats, 0)  # type: ignore[attr-defined]
         node_tokens = draft.tokens.gather(1, out.path.clamp_min(0))  # (B, D+1), [:, 0] = root
         depth_drafted = torch.where(draft.present, tree.depth[None, :], 0).max(dim=1).values  # (B,)
         packed = torch.cat(

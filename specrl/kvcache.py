@@ -290,17 +290,24 @@ class RaggedKVCache:
 
 
 @torch.no_grad()
-def prefill(model: torch.nn.Module, cache: RaggedKVCache, seqs: list[np.ndarray], device: torch.device) -> None:
+def prefill(model: torch.nn.Module, cache: RaggedKVCache, seqs: list[np.ndarray], device: torch.device,
+            output_hidden: bool = False) -> torch.Tensor | None:
     """Append rows for ``seqs`` to ``cache`` holding every token but the last.
 
     The last token is left out on purpose: it is the root of the row's first draft tree, so the
     first decode step handles it like any other step (and k = 0 is plain decoding).
+    ``output_hidden``: return the last hidden state at each row's last prefilled token (b, H),
+    zeros for a row with nothing to prefill (a 1-token prompt); else None.
     """
     lens = [len(s) - 1 for s in seqs]
     width = max(lens)
+    hidden = None
+    if output_hidden:
+        ref = next(model.parameters())
+        hidden = ref.new_zeros(len(seqs), model.config.hidden_size)  # (b, H)
     if width == 0:
         cache.add_empty_rows(len(seqs))
-        return
+        return hidden
     ids = np.zeros((len(seqs), width), dtype=np.int64)
     for b, s in enumerate(seqs):
         ids[b, : lens[b]] = s[:-1]
@@ -309,7 +316,13 @@ def prefill(model: torch.nn.Module, cache: RaggedKVCache, seqs: list[np.ndarray]
     ok = cols[None, :] < n_tok[:, None]  # (b, width) right padding is masked out
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     tmp = RaggedKVCache(cache.waste_limit, cache.min_compact_len)
-    tmp.forward(model, torch.from_numpy(ids).to(device), cols[None, :].expand(len(seqs), width), causal[None] & ok[:, None, :], base=0,
-                logits_to_keep=1)  # the logits are not used: skip the head over the prompt
+    _, h = tmp.forward(model, torch.from_numpy(ids).to(device), cols[None, :].expand(len(seqs), width),
+                       causal[None] & ok[:, None, :], base=0, output_hidden=output_hidden,
+                       logits_to_keep=1)  # the logits are not used: skip the head over the prompt
     tmp.keep(0, cols[None, :].expand(len(seqs), width), n_tok, width)
     cache.merge(tmp)
+    if hidden is not None and h is not None:
+        rows = [b for b, n in enumerate(lens) if n > 0]
+        last = torch.tensor([lens[b] - 1 for b in rows], device=h.device)
+        hidden[rows] = h[torch.tensor(rows, device=h.device), last]  # (b', H) at each row's last prefilled token
+    return hidden

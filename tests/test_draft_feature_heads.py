@@ -1,11 +1,10 @@
-"""The feature-head probe (benchmarks/draft_feature_heads.py): its position bookkeeping and training.
+"""Feature heads (specrl.drafttrain.feature, benchmarks/draft_feature_heads.py): position bookkeeping and training.
 
 Its alpha is only meaningful if column c of the head's output is compared with the target's
 label for the right token; these tests check that with the target's *true* features standing in
 for a perfect head (alpha must then be exactly 1), on sequences cropped and uncropped.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import draft_feature_heads as fh  # noqa: E402
 
+from specrl.drafttrain import feature as ft  # noqa: E402
 from specrl.drafttrain.data import Sequence_  # noqa: E402
 
 
@@ -57,12 +57,12 @@ def _sequences(target, n=6, window=64):
 @pytest.mark.parametrize("max_len", [64, 7])  # 7 crops every sequence's start
 def test_true_features_score_alpha_one_at_the_label_columns(target, max_len):
     seqs = _sequences(target, window=max_len)
-    feats = fh.target_features(target, seqs, max_len, progress=False)
+    feats = ft.target_features(target, seqs, max_len, progress=False)
     head = target.get_output_embeddings().weight  # (V, H)
-    _, _, _, fout, mask = fh.collate(seqs, feats, list(range(len(seqs))), max_len)
+    _, _, _, fout, mask = ft.collate(seqs, feats, list(range(len(seqs))), max_len)
     checked = 0
     for b, s in enumerate(seqs):
-        col, ok = fh.label_columns(s, max_len)
+        col, ok = ft.label_columns(s, max_len)
         pred = (fout[b, col[ok]] @ head.T).argmax(-1)  # the true f at each column -> its argmax
         assert torch.equal(pred, s.top_i[ok, 0])
         # a label is scored iff the feature before its position is inside the window
@@ -75,10 +75,10 @@ def test_true_features_score_alpha_one_at_the_label_columns(target, max_len):
 
 def test_generated_only_mask_keeps_exactly_the_label_columns(target):
     seqs = _sequences(target)
-    feats = fh.target_features(target, seqs, 64, progress=False)
-    _, _, _, _, mask = fh.collate(seqs, feats, list(range(len(seqs))), 64, generated_only=True)
+    feats = ft.target_features(target, seqs, 64, progress=False)
+    _, _, _, _, mask = ft.collate(seqs, feats, list(range(len(seqs))), 64, generated_only=True)
     for b, s in enumerate(seqs):
-        col, ok = fh.label_columns(s, 64)
+        col, ok = ft.label_columns(s, 64)
         want = torch.zeros_like(mask[b])
         want[col[ok]] = True
         assert torch.equal(mask[b], want)
@@ -86,19 +86,19 @@ def test_generated_only_mask_keeps_exactly_the_label_columns(target):
 
 def test_heads_train_their_own_weights_on_a_frozen_target(target):
     seqs = _sequences(target)
-    feats = fh.target_features(target, seqs, 64, progress=False)
+    feats = ft.target_features(target, seqs, 64, progress=False)
     ids = torch.arange(64)
-    for kind in fh.HEADS:
-        head = fh.FeatureHead(target, ids, kind)
+    for kind in ft.HEADS:
+        head = ft.FeatureHead(target, ids, kind)
         trainable = {n for n, p in head.named_parameters() if p.requires_grad}
         # the eagle layer is a copy of a frozen target layer: it must still train (a bug once)
         assert any(n.startswith("layer." if kind == "eagle" else "mlp.") for n in trainable)
         assert not any(n.startswith("embed") for n in trainable)
-    args = argparse.Namespace(seed=0, lr=3e-3, max_len=64, batch_tokens=64, epochs=3.0, eval_every=5,
-                              w_cls=0.1, positions="all", no_progress=True)
-    res = fh.train_head("mlp", target, seqs, feats, seqs, feats, ids, args)
+    cfg = ft.HeadConfig(kind="mlp", seed=0, lr=3e-3, max_len=64, batch_tokens=64, epochs=3.0, eval_every=5,
+                        w_cls=0.1, positions="all")
+    res = ft.train_head(target, seqs, feats, seqs, feats, ids, cfg, progress=False, log=lambda m: None)
     first, last = res["curve"][0], res["final"]
-    assert 0.0 <= last["alpha"] <= 1.0 and last["tokens"] == sum(int(fh.label_columns(s, 64)[1].sum()) for s in seqs)
+    assert 0.0 <= last["alpha"] <= 1.0 and last["tokens"] == sum(int(ft.label_columns(s, 64)[1].sum()) for s in seqs)
     assert last["trained_tokens"] > 0 and last["step"] == res["steps"]
     assert last["alpha"] >= first["alpha"]  # on its own training data, training must not lose agreement
     # the trained head's draft-step cost against a cached single-token target forward
@@ -111,7 +111,7 @@ def test_unknown_head_is_refused_with_the_allowed_names(target):
     from specrl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="eagle, mlp"):
-        fh.FeatureHead(target, torch.arange(8), "medusa")
+        ft.FeatureHead(target, torch.arange(8), "medusa")
 
 
 def test_cli_refuses_unknown_heads_and_missing_data_before_loading_a_model(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny import save_tiny, tiny_llama
 
+from specrl.drafters import make_drafter
 from specrl.drafttrain.data import DataConfig, check_manifest, generate_batch, plan_shards, score_batch
 from specrl.drafttrain.student import ShortlistHead, build_student, load_draft, shortlist_from_counts
 from specrl.drafttrain.train import TrainConfig, distill_loss, lr_at
@@ -196,6 +197,19 @@ def test_draft_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
     eng = SpecEngine(pair, drafter="model", max_batch_size=2)
     done = eng.generate(ids, 16, action=lambda _: Action(int(rng.integers(0, 6)), int(rng.integers(1, 3))))
     assert [r.output.tolist() for r in done] == refs
+
+    # `specrl draft head` trains a feature head on the same data; the feature drafter runs it exactly
+    head_dir = tmp_path / "head"
+    assert main(["draft", "head", "--model", str(model_dir), "--out", str(head_dir), "--shortlist", "24",
+                 "--epochs", "2", "--batch-tokens", "128", "--eval-every", "5", "--threads", "1", "--no-progress"]) == 0
+    hcard = json.loads((head_dir / "card.json").read_text())
+    assert hcard["arch"] == {"kind": "mlp", "hidden_size": 32, "vocab_size": pair.vocab_size, "shortlist": 24}
+    assert set(hcard["per_category"]) == {"a", "b"} and hcard["data"]["train_generated_tokens"] > 0
+    assert hcard["learning_curve"][0]["trained_tokens"] == 0 < hcard["learning_curve"][-1]["trained_tokens"]
+    eng = SpecEngine(pair, drafter=make_drafter("feature", pair, head=str(head_dir)), max_batch_size=2)
+    done = eng.generate(ids, 16, action=lambda _: Action(int(rng.integers(0, 6)), int(rng.integers(1, 3))))
+    assert [r.output.tolist() for r in done] == refs
+    assert main(["draft", "head", "--model", str(model_dir), "--out", str(head_dir), "--kind", "medusa"]) == 2
 
 
 @pytest.mark.slow

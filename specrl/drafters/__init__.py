@@ -30,7 +30,17 @@ def _model(pair: ModelPair, **kw: Any) -> Drafter:
     return ModelDrafter(pair.draft, **kw)
 
 
-DRAFTERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "model": _model}
+def _feature(pair: ModelPair, head: str | None = None) -> Drafter:
+    from pathlib import Path
+
+    from specrl.drafters.feature import FeatureDrafter
+    from specrl.drafttrain.feature import load_head
+    from specrl.drafttrain.shipped import shipped_head_dir
+
+    return FeatureDrafter(load_head(Path(head) if head else shipped_head_dir(pair.target_name), pair.target))
+
+
+DRAFTERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "model": _model, "feature": _feature}
 
 
 def make_drafter(name: str, pair: ModelPair, **kwargs: Any) -> Drafter:

@@ -10,6 +10,12 @@ A drafter mirrors the engine's batch rows. The engine calls, in order:
   a model drafter keeps exactly the accepted nodes in its cache;
 * ``select_rows(index)`` when requests leave (row ``i`` becomes old row ``index[i]``).
 
+A drafter that sets ``uses_target_features = True`` (the feature drafter) also gets
+``observe_features(hidden, start)``: the target's post-norm last hidden state (b, H) at the
+position before each row's last committed token, for the joining rows after their prefill
+(``start`` = the first new row) and for every row after each verify pass (``start`` = 0), before
+any row leaves. The engine computes these only for such drafters.
+
 Optionally ``probe(seqs) -> (B, 4)`` returns [top1, entropy, match_len, num_matches] without
 drafting; the engine calls it on k = 0 steps so a policy that stopped speculating still sees
 whether drafting would pay (the n-gram drafter implements it; a model drafter would need a

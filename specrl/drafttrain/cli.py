@@ -6,6 +6,7 @@ Subcommands::
     specrl draft train  --prompts FILE ... --run R   # data (missing shards) then training (resumable)
     specrl draft eval   --run R | --draft DIR        # held-out top-1 / top-4 agreement per category
     specrl draft export --run R --out DIR            # draft.safetensors + card.json
+    specrl draft head   --out DIR                    # a feature head on the data (the `feature` drafter)
 
 Every stage continues where it stopped: run the same command again. Data lives in
 ``<cache>/drafttrain/<target>/data`` and runs in ``<cache>/drafttrain/<target>/runs/<R>``
@@ -93,6 +94,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     x.add_argument("--shortlist", type=int, default=None, help="keep only the top-N ids of the run's shortlist")
     x.add_argument("--cpu-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="dtype the draft runs in next to a float32 target on CPUs with fast bfloat16")
+
+    h = sub.add_parser("head", help="train a feature head on the target's hidden states (the `feature` drafter)")
+    _common(h)
+    h.add_argument("--out", type=Path, required=True, help="output directory (head.safetensors + card.json)")
+    h.add_argument("--kind", default="mlp", help="head kind: mlp (the engine's feature drafter) or eagle (benchmark only)")
+    h.add_argument("--epochs", type=float, default=8.0)
+    h.add_argument("--lr", type=float, default=1e-3)
+    h.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimizer step")
+    h.add_argument("--shortlist", type=int, default=8192, help="output shortlist size")
+    h.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    h.add_argument("--seed", type=int, default=0)
     p.set_defaults(_draft_parser=p)
 
 
@@ -129,6 +141,13 @@ def _train_config(args: argparse.Namespace) -> Any:
     return TrainConfig(layers=tuple(args.layers), shortlist=args.shortlist, lr=args.lr, batch_tokens=args.batch_tokens,
                        train_tokens=args.train_tokens, hard_weight=args.hard_weight, eval_every=args.eval_every,
                        seed=args.seed)
+
+
+def _head_config(args: argparse.Namespace) -> Any:
+    from specrl.drafttrain.feature import HeadConfig
+
+    return HeadConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                      shortlist=args.shortlist, eval_every=args.eval_every, seed=args.seed)
 
 
 def _load_target(args: argparse.Namespace, dtype: str) -> Any:
@@ -189,4 +208,10 @@ def run(args: argparse.Namespace) -> int:
             out = export_run(pair, data_dir, run_dir, args.out, args.cpu_dtype, args.shortlist)
         print(json.dumps({"exported": str(out)}))
         return 0
-    raise ConfigError(f"Unknown draft subcommand {cmd!r}. Fix: use one of data, train, eval, export.")
+    if cmd == "head":
+        from specrl.drafttrain.feature import head_from_data
+
+        res = head_from_data(pair, data_dir, args.out, _head_config(args), progress=progress)
+        print(json.dumps(res))
+        return 0
+    raise ConfigError(f"Unknown draft subcommand {cmd!r}. Fix: use one of data, train, eval, export, head.")

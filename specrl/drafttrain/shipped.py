@@ -17,6 +17,8 @@ from specrl.errors import ModelLoadError
 
 # target display name -> directory under specrl/data/drafts
 SHIPPED: dict[str, str] = {"SmolLM2-135M-Instruct": "smollm2-135m"}
+# target display name -> directory of its feature head (the `feature` drafter's default)
+SHIPPED_HEADS: dict[str, str] = {"SmolLM2-135M-Instruct": "smollm2-135m-feature"}
 
 
 def shipped_dir(target_name: str) -> Path:
@@ -28,6 +30,18 @@ def shipped_dir(target_name: str) -> Path:
             "or train one with `specrl draft train`."
         )
     return Path(str(resources.files("specrl") / "data" / "drafts" / SHIPPED[target_name]))
+
+
+def shipped_head_dir(target_name: str) -> Path:
+    """The packaged feature-head directory for ``target_name`` (raises if none ships)."""
+    d = SHIPPED_HEADS.get(target_name)
+    path = None if d is None else Path(str(resources.files("specrl") / "data" / "drafts" / d))
+    if path is None or not path.is_dir():
+        raise ModelLoadError(
+            f"No shipped feature head for target {target_name!r} (shipped: {sorted(SHIPPED_HEADS)}). "
+            "Fix: pass head=DIR to the feature drafter (a directory written by `specrl draft head`), "
+            "or use the default target.")
+    return path
 
 
 def runtime_dtype(target: torch.nn.Module, card: dict) -> torch.dtype:
