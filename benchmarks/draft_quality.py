@@ -5,10 +5,13 @@ For every held-out Spec-Bench prompt (the split of ``specrl draft``: never train
 1. the target's greedy continuation with the engine at k = 0 (timed: the AR baseline);
 2. alpha: the draft's top-1 / top-4 agreement with that continuation (teacher forcing: the
    continuation *is* the target's argmax at every position);
-3. mean accept length of the engine with the model drafter at chains k = 2 and k = 4;
+3. mean accept length of the engine with the draft at chains k = 2 and k = 4;
 4. the engine with the best static (k, w), picked on calibration prompts from the train split,
    timed side by side with (1): AR and speculative runs alternate per prompt so both see the
    same machine load. The ratio of wall times is the batch-1 speedup (outputs are identical).
+
+``--drafter feature`` measures a feature head (``specrl draft head``) through the engine's
+``feature`` drafter instead of a draft LM; its alpha reads the target's true features.
 
 Also reports the draft cost ratio c (one draft step / one target step). The final stdout line
 is one JSON object with at least ``alpha`` and ``speedup_bs1``. ``--card PATH`` merges the
@@ -21,13 +24,18 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from _common import final_line, machine, table
 
+from specrl.drafters import make_drafter
+from specrl.drafters.base import Drafter
+from specrl.drafters.feature import FeatureDrafter
 from specrl.drafttrain.data import DataConfig, prompt_split
-from specrl.drafttrain.shipped import runtime_dtype, shipped_dir
+from specrl.drafttrain.feature import FeatureHead, load_head
+from specrl.drafttrain.shipped import runtime_dtype, shipped_dir, shipped_head_dir
 from specrl.drafttrain.student import CARD, load_draft
 from specrl.engine import Action, SpecEngine
 from specrl.models import ModelPair
@@ -64,9 +72,10 @@ def heldout_selection(held: list, spec_texts: set[str], per_category: int) -> li
     return out
 
 
-def run_engine(pair: ModelPair, ids: list[int], n: int, action: Action, drafter: str) -> tuple[list[int], float, float]:
-    """(output, seconds, mean accept length) of one request at batch 1."""
-    eng = SpecEngine(pair, drafter=drafter)
+def run_engine(pair: ModelPair, ids: list[int], n: int, action: Action,
+               drafter: str | Callable[[], Drafter]) -> tuple[list[int], float, float]:
+    """(output, seconds, mean accept length) of one request at batch 1 (``drafter``: a name or a factory)."""
+    eng = SpecEngine(pair, drafter=drafter if isinstance(drafter, str) else drafter())
     t0 = time.perf_counter()
     (r,) = eng.generate([ids], n, action=action, batch_size=1)
     return r.output.tolist(), time.perf_counter() - t0, r.accepted / max(1, r.steps)
@@ -80,6 +89,52 @@ def agreement(draft: torch.nn.Module, prompt: list[int], out: list[int]) -> tupl
     top4 = logits.topk(4, dim=-1).indices
     y = torch.tensor(out)
     return float((top4[:, 0] == y).sum()), float((top4 == y[:, None]).any(-1).sum()), len(out)
+
+
+@torch.inference_mode()
+def feature_agreement(head: FeatureHead, target: torch.nn.Module, prompt: list[int], out: list[int]
+                      ) -> tuple[float, float, int]:
+    """As :func:`agreement` for a feature head: token t is drafted from head(f_{t-2}, token t-1), the
+    target's true feature before the previous token (a k = 1 draft after each verify)."""
+    x = torch.tensor([prompt + out])
+    f = target.model(input_ids=x).last_hidden_state  # (1, L, H)
+    p = len(prompt)
+    lo = max(p, 2)  # token t needs f_{t-2}: the first generated token of a 1-token prompt has none
+    fh = head(f[:, lo - 2 : p + len(out) - 2], x[:, lo - 1 : p + len(out) - 1])  # (1, G', H)
+    top4 = head.ids[head.short(fh)[0].topk(4, dim=-1).indices]  # (G', 4)
+    y = torch.tensor(out[lo - p :])
+    return float((top4[:, 0] == y).sum()), float((top4 == y[:, None]).any(-1).sum()), len(out)
+
+
+@torch.inference_mode()
+def head_step_ms(head: FeatureHead, reps: int = 30) -> float:
+    """Median ms of one batch-1 draft step of a feature head (fc, body, shortlist argmax)."""
+    f = head.sub_w.new_zeros(1, 1, head.sub_w.shape[1])
+    tok = torch.zeros(1, 1, dtype=torch.long, device=f.device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        head.ids[head.short(head(f, tok)).argmax(-1)]
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+class DraftUnderTest:
+    """What :func:`measure` needs of a draft: a fresh drafter per engine, agreement, step cost."""
+
+    def __init__(self, pair: ModelPair, head: FeatureHead | None = None) -> None:
+        self.pair, self.head = pair, head
+
+    def make(self) -> Drafter:
+        return FeatureDrafter(self.head) if self.head is not None else make_drafter("model", self.pair)
+
+    def agreement(self, prompt: list[int], out: list[int]) -> tuple[float, float, int]:
+        if self.head is not None:
+            return feature_agreement(self.head, self.pair.target, prompt, out)
+        return agreement(self.pair.draft, prompt, out)
+
+    def step_ms(self) -> float:
+        return head_step_ms(self.head) if self.head is not None else step_ms(self.pair.draft)[0]
 
 
 def step_ms(model: torch.nn.Module, tokens: tuple[int, ...] = (1,), ctx: int = 256, reps: int = 15) -> list[float]:
@@ -101,15 +156,17 @@ def load_pair(model: str, dtype: str, draft_dir: Path | None, draft_dtype: str,
                                  draft_name=str(d))
 
 
-def measure(pair: ModelPair, held: list, calib: list, n: int, grid: list[Action], log) -> dict:
+def measure(pair: ModelPair, held: list, calib: list, n: int, grid: list[Action], log,
+            draft: DraftUnderTest | None = None) -> dict:
     """Everything for one dtype; see the module docstring."""
+    draft = draft or DraftUnderTest(pair)
     enc = [pair.encode_prompt(p.text) for p in held]
     cal = [pair.encode_prompt(p.text) for p in calib]
     rates = {}
     for a in grid:  # calibration: tokens/s of each static action on train-split prompts
         toks = secs = 0.0
         for ids in cal:
-            out, dt, _ = run_engine(pair, ids, n, a, "model")
+            out, dt, _ = run_engine(pair, ids, n, a, draft.make)
             toks, secs = toks + len(out), secs + dt
         rates[a] = toks / secs
     best = max(rates, key=rates.get)
@@ -119,12 +176,12 @@ def measure(pair: ModelPair, held: list, calib: list, n: int, grid: list[Action]
     for p, ids in zip(held, enc):
         c = per.setdefault(spec_category(p.category), dict.fromkeys(KEYS, 0.0))
         ref, t_ar, _ = run_engine(pair, ids, n, Action(0, 1), "ngram")  # AR: no draft prefill
-        out, t_sp, _ = run_engine(pair, ids, n, best, "model")
+        out, t_sp, _ = run_engine(pair, ids, n, best, draft.make)
         same &= out == ref
-        o2, _, l2 = run_engine(pair, ids, n, Action(2, 1), "model")
-        o4, _, l4 = run_engine(pair, ids, n, Action(4, 1), "model")
+        o2, _, l2 = run_engine(pair, ids, n, Action(2, 1), draft.make)
+        o4, _, l4 = run_engine(pair, ids, n, Action(4, 1), draft.make)
         same &= o2 == ref and o4 == ref
-        h1, h4, m = agreement(pair.draft, ids, ref)
+        h1, h4, m = draft.agreement(ids, ref)
         for k, v in zip(KEYS, (h1, h4, m, l2, l4, t_ar, t_sp, len(ref), 1, len(out))):
             c[k] += v
     rows, cats = [], {}
@@ -136,7 +193,7 @@ def measure(pair: ModelPair, held: list, calib: list, n: int, grid: list[Action]
         rows.append([cat, *[cats[cat][k] for k in ("alpha", "alpha_top4", "accept_len_k2", "accept_len_k4",
                                                     "speedup_bs1")], int(c["n"])])
     tot = {k: sum(c[k] for c in per.values()) for k in KEYS}
-    (td,) = step_ms(pair.draft)
+    td = draft.step_ms()
     t1, *tv = step_ms(pair.target, (1, 3, 4, 5))
     res = {
         "alpha": tot["a1"] / tot["pos"], "alpha_top4": tot["a4"] / tot["pos"],
@@ -156,7 +213,10 @@ def measure(pair: ModelPair, held: list, calib: list, n: int, grid: list[Action]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--drafter", choices=["model", "feature"], default="model",
+                    help="model: a draft LM (--draft); feature: a feature head on the target's hidden state (--head)")
     ap.add_argument("--draft", type=Path, default=None, help="draft directory (default: the shipped draft)")
+    ap.add_argument("--head", type=Path, default=None, help="feature head directory (default: the shipped head)")
     ap.add_argument("--draft-dtype", default="auto", help="auto (the card's choice), float32 or bfloat16")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="target dtypes to measure, comma-separated")
     ap.add_argument("--sources", action="append", default=None,
@@ -186,14 +246,21 @@ def main() -> None:
     print(f"# draft quality, {machine()}, {len(held_sel)} held-out prompts x {args.max_new_tokens} tokens")
     results = {}
     for dt in args.dtypes.split(","):
-        pair = load_pair(args.model, dt, args.draft, args.draft_dtype, args.shortlist)
-        print(f"\n## target {dt}, draft {next(pair.draft.parameters()).dtype}\n")
-        results[dt] = measure(pair, held_sel, calib, args.max_new_tokens, grid, print)
+        if args.drafter == "feature":
+            pair = ModelPair.load(args.model, device="cpu", dtype=dt)
+            head = load_head(args.head or shipped_head_dir(pair.target_name), pair.target)
+            draft = DraftUnderTest(pair, head)
+            print(f"\n## target {dt}, feature head {args.head or shipped_head_dir(pair.target_name)}\n")
+        else:
+            pair = load_pair(args.model, dt, args.draft, args.draft_dtype, args.shortlist)
+            draft = DraftUnderTest(pair)
+            print(f"\n## target {dt}, draft {next(pair.draft.parameters()).dtype}\n")
+        results[dt] = measure(pair, held_sel, calib, args.max_new_tokens, grid, print, draft)
     first = results[args.dtypes.split(",")[0]]
     out = {"alpha": first["alpha"], "alpha_top4": first["alpha_top4"], "speedup_bs1": first["speedup_bs1"],
            "accept_len_k2": first["accept_len_k2"], "accept_len_k4": first["accept_len_k4"],
            "best_action": first["best_action"], "draft_cost_ratio": first["draft_cost_ratio"],
-           "dtype": args.dtypes.split(",")[0], "by_dtype": results, "prompts": len(held_sel),
+           "drafter": args.drafter, "dtype": args.dtypes.split(",")[0], "by_dtype": results, "prompts": len(held_sel),
            "max_new_tokens": args.max_new_tokens, "machine": machine()}
     if "bfloat16" in results and args.dtypes.split(",")[0] != "bfloat16":
         out["speedup_bs1_bf16"] = results["bfloat16"]["speedup_bs1"]

@@ -28,6 +28,7 @@ from specrl.drafttrain.feature import (
 from specrl.engine import Action, SpecEngine
 from specrl.errors import ConfigError, ModelLoadError
 from specrl.sampling import SamplingParams
+from specrl.tree import tree_shape
 
 V = 16
 
@@ -147,3 +148,28 @@ def test_refusals_name_the_fix(pair, head, tmp_path):
         SpecEngine(pair, drafter="feature")
     with pytest.raises(ConfigError, match="Unknown head kind 'medusa'. Allowed: eagle, mlp"):
         HeadConfig(kind="medusa")
+
+
+def test_draft_quality_scores_the_token_the_drafter_proposes(pair, head):
+    """benchmarks/draft_quality.py's feature alpha must score, for every generated token, the token
+    the engine's feature drafter proposes at k = 1 from that position (no off-by-one)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import draft_quality as dq
+
+    prompt = [3, 1, 4, 1, 5]
+    out = reference_greedy(pair.target, prompt, 20)
+    hits, _, n = dq.feature_agreement(head, pair.target, prompt, out)
+    want = 0
+    shape = tree_shape(1, 1)
+    for g in range(len(out)):  # the drafter's k = 1 proposal once prompt + out[:g] is committed
+        d = FeatureDrafter(head)
+        eng = SpecEngine(pair, drafter=d)
+        eng.add_request(prompt + out[:g], 5)
+        eng.admit()  # the prefill hands the drafter its feature
+        seq = np.array(prompt + out[:g])
+        draft = d.propose([seq], shape, np.ones((1, len(shape.paths)), bool), SamplingParams(), None)
+        want += int(draft.tokens[0, 1]) == out[g]
+    assert n == len(out) and hits == want and 0 < hits < n
