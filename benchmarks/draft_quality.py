@@ -210,6 +210,14 @@ def measure(pair: ModelPair, held: list, calib: list, n: int, grid: list[Action]
     return res
 
 
+def parse_actions(text: str) -> list[Action]:
+    """'1:1,1:2' -> [Action(1, 1), Action(1, 2)], with a fix on bad input."""
+    try:
+        return [Action(*(int(x) for x in item.split(":"))) for item in text.split(",") if item.strip()]
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--actions {text!r} is invalid ({e}). Fix: comma-separated k:w pairs, e.g. 1:1,1:2,2:2.") from e
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -227,6 +235,8 @@ def main() -> None:
     ap.add_argument("--shortlist", type=int, default=None,
                     help="keep only the draft's top-N shortlist ids (a cheaper head; needs a stored ranking)")
     ap.add_argument("--card", type=Path, default=None, help="merge results into this card.json's 'benchmark'")
+    ap.add_argument("--actions", default=None,
+                    help="static actions to calibrate over, as k:w pairs, e.g. 1:1,1:2,2:2 (default: 1:1,2:1,3:1,4:1,2:2)")
     ap.add_argument("--quick", action="store_true", help="1 prompt per category, 48 tokens, float32 only")
     args = ap.parse_args()
     if args.quick:
@@ -241,7 +251,9 @@ def main() -> None:
     if args.quick:
         calib = calib[:2]
     grid = [Action(k, w) for k, w in ((1, 1), (2, 1), (3, 1), (4, 1), (2, 2))]
-    if args.quick:
+    if args.actions:
+        grid = parse_actions(args.actions)
+    elif args.quick:
         grid = [Action(2, 1), Action(3, 1), Action(4, 1)]
     print(f"# draft quality, {machine()}, {len(held_sel)} held-out prompts x {args.max_new_tokens} tokens")
     results = {}

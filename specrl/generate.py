@@ -14,13 +14,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """Model-pair options shared by every command that loads models."""
     p.add_argument("--model", default="default", help="target: HF id (local cache), directory, .gguf, or 'default'")
     p.add_argument("--draft", default=None, help="draft model for --drafter model (same tokenizer as the target)")
-    p.add_argument("--drafter", default="ngram", help="drafter name: ngram (default, no model) or model")
+    p.add_argument("--drafter", default="ngram",
+                   help="drafter name: ngram (default, no model), model (--draft) or feature (a feature head, --head)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     p.add_argument("--dtype", default="auto", help="float32 (CPU default), bfloat16 (CUDA default), float16")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    p.add_argument("--head", default=None,
+                   help="feature head directory for --drafter feature (`specrl draft head`; default: the shipped head)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     p.add_argument("--prompts", default=None, help="jsonl (Spec-Bench 'turns') or text file, or 'builtin'")
     p.add_argument("--category", action="append", default=None, help="keep prompts of this category (repeatable)")
@@ -39,6 +42,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specrl.drafters import make_drafter
     from specrl.engine import Action, SpecEngine
     from specrl.errors import ConfigError
     from specrl.models import ModelPair
@@ -58,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--drafter model needs --draft PATH (a causal LM with the target's tokenizer).")
     pair = ModelPair.load(args.model, draft if args.drafter == "model" else None, args.device, args.dtype)
     ids = [pair.encode_prompt(t, chat=False if args.no_chat else None) for t, _ in texts]
-    engine = SpecEngine(pair, drafter=args.drafter, sampling=sampling, seed=args.seed)
+    drafter = make_drafter("feature", pair, head=args.head) if args.drafter == "feature" else args.drafter
+    engine = SpecEngine(pair, drafter=drafter, sampling=sampling, seed=args.seed)
     controller = None
     if args.policy:
         from specrl.policies import make_policy

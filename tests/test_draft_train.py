@@ -210,6 +210,9 @@ def test_draft_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
     done = eng.generate(ids, 16, action=lambda _: Action(int(rng.integers(0, 6)), int(rng.integers(1, 3))))
     assert [r.output.tolist() for r in done] == refs
     assert main(["draft", "head", "--model", str(model_dir), "--out", str(head_dir), "--kind", "medusa"]) == 2
+    # ... and `specrl generate --drafter feature --head DIR` decodes with it
+    assert main(["generate", "--model", str(model_dir), "--drafter", "feature", "--head", str(head_dir), "--no-chat",
+                 "--prompt", " ".join(WORDS[:4]), "--k", "2", "--w", "2", "--max-new-tokens", "8", "--json"]) == 0
 
 
 @pytest.mark.slow

@@ -173,3 +173,22 @@ def test_draft_quality_scores_the_token_the_drafter_proposes(pair, head):
         draft = d.propose([seq], shape, np.ones((1, len(shape.paths)), bool), SamplingParams(), None)
         want += int(draft.tokens[0, 1]) == out[g]
     assert n == len(out) and hits == want and 0 < hits < n
+
+
+def test_env_config_names_the_drafters_and_keeps_feature_on_the_live_backend():
+    from specrl.envs.config import EnvConfig
+
+    with pytest.raises(ConfigError, match="Unknown drafter 'medusa'. Allowed: feature, model, ngram"):
+        EnvConfig(drafter="medusa")
+    with pytest.raises(ConfigError, match="drafter='feature' runs on the live backend only.*Fix: backend: live"):
+        EnvConfig(backend="replay", drafter="feature")
+    assert EnvConfig(backend="live", drafter="feature").drafter == "feature"
+
+
+def test_a_bfloat16_head_leaves_the_target_alone(pair, head, tmp_path):
+    save_head(head, tmp_path / "h", {})
+    h16 = load_head(tmp_path / "h", pair.target, torch.bfloat16)
+    assert h16.fc.weight.dtype == torch.bfloat16 and h16.sub_w.dtype == torch.bfloat16
+    assert pair.target.get_input_embeddings().weight.dtype == torch.float32  # shared, not converted
+    out = SpecEngine(pair, drafter=FeatureDrafter(h16)).generate([[1, 2, 3]], 12, action=Action(2, 2))[0]
+    assert out.output.tolist() == reference_greedy(pair.target, [1, 2, 3], 12)

@@ -97,6 +97,14 @@ class EnvConfig:
             raise unknown_name("prompt_split", self.prompt_split, SPLITS)
         if self.verify not in VERIFY:
             raise unknown_name("verify", self.verify, VERIFY)
+        from specrl.drafters import DRAFTERS
+
+        if self.drafter not in DRAFTERS:
+            raise unknown_name("drafter", self.drafter, DRAFTERS)
+        if self.drafter == "feature" and self.backend == "replay":
+            raise ConfigError("drafter='feature' runs on the live backend only: replay tables need the draft's ranks "
+                              "of every target token, which traces record for the 'model' drafter alone so far. "
+                              "Fix: backend: live, or drafter: model / ngram for replay.")
         if not self.k_choices or len(set(self.k_choices)) != len(self.k_choices) or not all(
             0 <= k <= MAX_K for k in self.k_choices
         ):
