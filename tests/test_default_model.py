@@ -55,7 +55,8 @@ def _cli(*args):
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("drafter_args", [["--drafter", "ngram"], ["--drafter", "model", "--draft", "default"]])
+@pytest.mark.parametrize("drafter_args", [["--drafter", "ngram"], ["--drafter", "model", "--draft", "default"],
+                                          ["--drafter", "feature"]])
 def test_cli_generate_json_on_default(drafter_args):
     rows = _cli("generate", "--prompt", "List three colours.", "--prompt", "What is 12 times 3?",
                 "--k", "3", "--w", "2", "--max-new-tokens", "24", "--json", *drafter_args)

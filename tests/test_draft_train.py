@@ -236,6 +236,20 @@ def test_shipped_draft_loads_offline_and_is_exact(default_pair):
     assert out[0, len(ids[0]):].tolist()[: len(refs[0])] == refs[0]
 
 
+@pytest.mark.slow
+def test_shipped_feature_head_loads_offline_and_is_exact(default_pair):
+    from specrl.drafters.feature import FeatureDrafter
+
+    eng = SpecEngine(default_pair, drafter="feature", max_batch_size=2)  # the packaged head, no path given
+    assert isinstance(eng.drafter, FeatureDrafter) and eng.drafter.head.ids.numel() == 8192
+    ids = [default_pair.encode_prompt(t) for t in ("What is 12 times 3?", "Write a haiku about the sea.")]
+    refs = _greedy_refs(default_pair, ids, 32)
+    rng = np.random.default_rng(2)
+    done = eng.generate(ids, 32, action=lambda _: Action(int(rng.integers(0, 6)), int(rng.integers(1, 3))))
+    assert [r.output.tolist() for r in done] == refs
+    assert sum(r.accepted for r in done) > 0  # a trained head gets tokens accepted
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a CPU-only machine gives")
 def test_draft_cli_cuda_without_gpu_is_a_clear_error(tmp_path, monkeypatch, capsys):
     from specrl.cli import main
