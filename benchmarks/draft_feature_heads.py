@@ -89,7 +89,7 @@ def plot(results: dict, compare: list[dict] | None, card_curve: list[dict] | Non
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for kind, r in results.items():
         c = r["curve"]
-        ax.plot([p["trained_tokens"] for p in c], [p["alpha"] for p in c], marker="o", ms=3, label=f"{kind} head (this data)")
+        ax.plot([p["trained_tokens"] for p in c], [p["alpha"] for p in c], marker="o", ms=3, label=f"{kind} head (this data)" if kind in HEADS else kind)
     if compare:
         ax.plot([p["train_tokens"] for p in compare], [p["alpha"] for p in compare], marker="s", ms=3,
                 label="2-layer token draft (this data; 64-prompt eval subset before its last point)")
