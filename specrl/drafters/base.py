@@ -25,7 +25,7 @@ forward pass, so its statistics are NaN = "not measured" on such steps).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -73,3 +73,43 @@ class Drafter(Protocol):
     ) -> Draft: ...
 
     def commit(self, path: np.ndarray, accept_len: np.ndarray) -> None: ...
+
+
+# ----- helpers shared by the drafters that draft a tree level by level from scores ------------
+def root_tokens(seqs: list[np.ndarray], n: int, device: torch.device) -> torch.Tensor:
+    """(B, n) long node tokens: the root (each row's last committed token) filled, the rest zero."""
+    tokens = torch.zeros(len(seqs), n, dtype=torch.long, device=device)
+    tokens[:, 0] = torch.tensor([int(s[-1]) for s in seqs], device=device)
+    return tokens
+
+
+def first_token_stats(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V') root scores -> ((B,) top-1 probability, (B,) entropy in nats) of the first draft token."""
+    p1 = torch.softmax(scores.float(), dim=-1)
+    return p1.max(dim=-1).values, -(p1 * torch.log(p1.clamp_min(1e-30))).sum(-1)
+
+
+class LevelPlan(NamedTuple):
+    """Which parents one depth level of a rank-path tree draws its children from."""
+
+    level: np.ndarray  # (|level|,) node ids at this depth
+    parents: list[int]  # distinct parents, ascending: the m rows of the stacked parent scores
+    r_max: int  # most children any parent has: how many picks to draw per parent
+    par_idx: torch.Tensor  # (|level|,) long: each node's parent as an index into ``parents``
+    rank: torch.Tensor  # (|level|,) long: each node's draft rank among its siblings
+
+
+def level_plan(shape: TreeShape, depth: int, device: torch.device) -> LevelPlan:
+    level = shape.level(depth)
+    parents = sorted({int(shape.parent[c]) for c in level})
+    slot = {p: j for j, p in enumerate(parents)}
+    return LevelPlan(level, parents, max(len(shape.children[p]) for p in parents),
+                     torch.tensor([slot[int(shape.parent[c])] for c in level], device=device),
+                     torch.as_tensor(shape.rank[level], device=device))
+
+
+def keep_parents_present(have: torch.Tensor, shape: TreeShape) -> None:
+    """In place on (B, n) ``have``: a node stays present only if its parent is (breadth-first ids)."""
+    for i in range(1, have.shape[1]):
+        have[:, i] &= have[:, shape.parent[i]]
+

@@ -23,7 +23,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from specrl.drafters.base import Draft
+from specrl.drafters.base import Draft, first_token_stats, keep_parents_present, level_plan, root_tokens
 from specrl.drafttrain.feature import FeatureHead
 from specrl.errors import ConfigError
 from specrl.sampling import SamplingParams, gumbel_topk, probs_from_logits
@@ -72,26 +72,17 @@ class FeatureDrafter:
     ) -> Draft:
         head, dev = self.head, self.device
         bsz, n = len(seqs), len(shape.paths)
-        tokens = torch.zeros(bsz, n, dtype=torch.long, device=dev)  # (B, n)
-        tokens[:, 0] = torch.tensor([int(s[-1]) for s in seqs], device=dev)
+        tokens = root_tokens(seqs, n, dev)  # (B, n)
         root = head(self.f[:, None], tokens[:, :1])[:, 0]  # (B, H) f-hat at the root
         feat = {0: root}  # node -> (B, H) its predicted feature
         short = {0: head.short(root)}  # node -> (B, S) scores of its children over the shortlist
-
-        p1 = torch.softmax(short[0].float(), dim=-1)  # (B, S)
-        top1 = p1.max(dim=-1).values
-        entropy = -(p1 * torch.log(p1.clamp_min(1e-30))).sum(-1)
+        top1, entropy = first_token_stats(short[0])
 
         have = torch.from_numpy(present).to(dev).clone()  # (B, n)
         probs = None if params.greedy else torch.zeros(bsz, n, self.vocab, device=dev)
         for d in range(1, shape.max_depth + 1):
-            level = shape.level(d)
-            parents = sorted({int(shape.parent[c]) for c in level})
-            r_max = max(len(shape.children[p]) for p in parents)
+            level, parents, r_max, par_idx, rank = level_plan(shape, d, dev)
             par = torch.stack([short[p] for p in parents], dim=1)  # (B, m, S)
-            slot = {p: j for j, p in enumerate(parents)}
-            par_idx = torch.tensor([slot[int(shape.parent[c])] for c in level], device=dev)
-            rank = torch.as_tensor(shape.rank[level], device=dev)
             if probs is None:
                 picks = head.ids[par.topk(r_max, dim=-1).indices]  # (B, m, R) vocabulary ids
                 tokens[:, level] = picks[:, par_idx, rank]
@@ -112,7 +103,6 @@ class FeatureDrafter:
             s_new = head.short(f_new)  # (B, m, S)
             for j, c in enumerate(feed):
                 feat[c], short[c] = f_new[:, j], s_new[:, j]
-        for i in range(1, n):  # a node is present only if its parent is
-            have[:, i] &= have[:, shape.parent[i]]
+        keep_parents_present(have, shape)
         zeros = torch.zeros(bsz, device=dev)
         return Draft(tokens, have, probs, top1, entropy, zeros, zeros)

@@ -25,7 +25,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from specrl.drafters.base import Draft
+from specrl.drafters.base import Draft, first_token_stats, keep_parents_present, level_plan, root_tokens
 from specrl.errors import ConfigError
 from specrl.kvcache import RaggedKVCache, prefill
 from specrl.sampling import SamplingParams, gumbel_topk, probs_from_logits
@@ -95,12 +95,8 @@ class ModelDrafter:
         rows = torch.arange(bsz, device=dev)
         root_logits = logits[rows, n_pend - 1]  # (B, V)
 
-        p1 = torch.softmax(root_logits.float(), dim=-1)
-        top1 = p1.max(dim=-1).values
-        entropy = -(p1 * torch.log(p1.clamp_min(1e-30))).sum(-1)
-
-        tokens = torch.zeros(bsz, n, dtype=torch.long, device=dev)
-        tokens[:, 0] = torch.tensor([int(s[-1]) for s in seqs], device=dev)
+        top1, entropy = first_token_stats(root_logits)
+        tokens = root_tokens(seqs, n, dev)  # (B, n)
         have = torch.from_numpy(present).to(dev).clone()
         probs = None if params.greedy else torch.zeros(bsz, n, root_logits.shape[-1], device=dev)
         node_logits: dict[int, torch.Tensor] = {0: root_logits}  # node -> (B, V) logits at that node
@@ -109,9 +105,7 @@ class ModelDrafter:
         anc = torch.from_numpy(shape.ancestors).to(dev)
 
         for d in range(1, shape.max_depth + 1):
-            level = shape.level(d)
-            parents = sorted({int(shape.parent[c]) for c in level})
-            r_max = max(len(shape.children[p]) for p in parents)
+            level, parents, r_max, par_idx, rank = level_plan(shape, d, dev)
             par_logits = torch.stack([node_logits[p] for p in parents], dim=1)  # (B, m, V)
             if params.greedy:
                 picks = par_logits.topk(r_max, dim=-1).indices  # (B, m, R)
@@ -119,9 +113,6 @@ class ModelDrafter:
                 q = probs_from_logits(par_logits, params)  # (B, m, V)
                 probs[:, parents] = q
                 picks = gumbel_topk(q, r_max, generator)  # (B, m, R), drawn without replacement
-            slot = {p: j for j, p in enumerate(parents)}
-            par_idx = torch.tensor([slot[int(shape.parent[c])] for c in level], device=dev)
-            rank = torch.as_tensor(shape.rank[level], device=dev)
             tokens[:, level] = picks[:, par_idx, rank]  # (B, |level|)
             if probs is not None or self.min_confidence > 0:
                 if probs is None:  # greedy picks need no distribution, the threshold does
@@ -160,9 +151,7 @@ class ModelDrafter:
             colmap[feed] = t_before + np.arange(m)
             fed += feed
 
-        # a node is present only if its parent is
-        for i in range(1, n):
-            have[:, i] &= have[:, shape.parent[i]]
+        keep_parents_present(have, shape)
         self._state = _StepState(base, lens, colmap)
         zeros = torch.zeros(bsz, device=dev)
         union = rows = None  # host copies of the proposed slots: the engine verifies only these
