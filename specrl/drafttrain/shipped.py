@@ -29,13 +29,18 @@ def shipped_dir(target_name: str) -> Path:
             "Fix: use the default target, pass --draft DIR (e.g. one written by `specrl draft export`), "
             "or train one with `specrl draft train`."
         )
-    return Path(str(resources.files("specrl") / "data" / "drafts" / SHIPPED[target_name]))
+    return _packaged(SHIPPED[target_name])
+
+
+def _packaged(name: str) -> Path:
+    """``specrl/data/drafts/<name>`` inside the installed package."""
+    return Path(str(resources.files("specrl") / "data" / "drafts" / name))
 
 
 def shipped_head_dir(target_name: str) -> Path:
     """The packaged feature-head directory for ``target_name`` (raises if none ships)."""
     d = SHIPPED_HEADS.get(target_name)
-    path = None if d is None else Path(str(resources.files("specrl") / "data" / "drafts" / d))
+    path = None if d is None else _packaged(d)
     if path is None or not path.is_dir():
         raise ModelLoadError(
             f"No shipped feature head for target {target_name!r} (shipped: {sorted(SHIPPED_HEADS)}). "
