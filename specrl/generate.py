@@ -58,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     action = Action(args.k, args.w)
     sampling = SamplingParams(args.temperature, args.top_p)
     draft = args.draft
+    if args.head is not None and args.drafter != "feature":
+        raise ConfigError(f"--head {args.head} is a feature head, but --drafter is {args.drafter!r}. "
+                          "Fix: add --drafter feature, or drop --head.")
     if args.drafter == "model" and draft is None:
         raise ConfigError("--drafter model needs --draft PATH (a causal LM with the target's tokenizer).")
     pair = ModelPair.load(args.model, draft if args.drafter == "model" else None, args.device, args.dtype)

@@ -135,7 +135,7 @@ def test_lr_schedule_warms_up_and_decays():
     assert lr_at(100, 100, cfg) == pytest.approx(1e-4)
 
 
-def test_draft_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
+def test_draft_train_cli_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     """`specrl draft train` on a tiny random pair: data, training, export, resume, exact decoding."""
     from specrl.cli import main
 
@@ -213,6 +213,9 @@ def test_draft_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
     # ... and `specrl generate --drafter feature --head DIR` decodes with it
     assert main(["generate", "--model", str(model_dir), "--drafter", "feature", "--head", str(head_dir), "--no-chat",
                  "--prompt", " ".join(WORDS[:4]), "--k", "2", "--w", "2", "--max-new-tokens", "8", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(model_dir), "--head", str(head_dir), "--prompt", "a"]) == 2
+    assert "is a feature head, but --drafter is 'ngram'. Fix: add --drafter feature" in capsys.readouterr().err
 
 
 @pytest.mark.slow
