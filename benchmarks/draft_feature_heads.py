@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, compare, card_curve, a.out / "feature_heads.png")
     for k, r in results.items():
         f = r["final"]
-        print(f"{k}: held-out alpha {f['alpha']:.3f} (step 2 {f['alpha_step2']:.3f}) after {f['trained_tokens']} "
+        print(f"{k}: held-out alpha {f['alpha']:.3f} (step 2 {f['alpha_step2']:.3f}, {f['alpha_step2_given1']:.3f} after a right step 1) after {f['trained_tokens']} "
               f"trained tokens over {unique} positions; {r['params'] / 1e6:.1f}M params; a draft step costs "
               f"{r['cost']['head_step_ms']:.2f} ms = {r['cost']['c']:.3f} of a target step ({r['cost']['target_step_ms']:.1f} ms)")
     if compare:

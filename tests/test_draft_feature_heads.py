@@ -107,6 +107,66 @@ def test_heads_train_their_own_weights_on_a_frozen_target(target):
     assert cost["c"] == pytest.approx(cost["head_step_ms"] / cost["target_step_ms"])
 
 
+def test_unrolled_loss_feeds_each_column_the_previous_columns_own_prediction(target):
+    """Step 2 of the unroll must be the drafter's second chained token: column c reads the f-hat
+    that step 1 predicted at column c-1 (checked against a per-column recomputation), and column
+    0, which has no predicted input, must not enter step 2's loss."""
+    seqs = _sequences(target)
+    feats = ft.target_features(target, seqs, 64, progress=False)
+    fin, tok, pos, fout, mask = ft.collate(seqs, feats, list(range(len(seqs))), 64)
+    torch.manual_seed(0)
+    head = ft.FeatureHead(target, torch.arange(64), "mlp")
+    torch.nn.init.normal_(head.mlp[-1].weight, std=0.1)  # a head whose prediction differs from its input
+    one = ft.HeadConfig(unroll=1, w_cls=0.1)
+    step1 = head(fin, tok, pos)
+    want1 = ft.head_loss(step1[mask], fout[mask], head, 0.1)
+    assert torch.allclose(ft.unrolled_loss(head, fin, tok, pos, fout, mask, one), want1)
+    # step 2 column by column: input = step 1's prediction one column to the left
+    cols = [head(step1[:, c - 1 : c], tok[:, c : c + 1], pos[:, c : c + 1]) for c in range(1, fin.shape[1])]
+    step2 = torch.cat([step1[:, :1], *cols], 1)  # column 0 is a placeholder, masked out below
+    m2 = mask.clone()
+    m2[:, 0] = False
+    want2 = want1 + 0.25 * ft.head_loss(step2[m2], fout[m2], head, 0.1)
+    two = ft.HeadConfig(unroll=2, unroll_weight=0.25, w_cls=0.1)
+    assert torch.allclose(ft.unrolled_loss(head, fin, tok, pos, fout, mask, two), want2, atol=1e-6)
+    assert not torch.allclose(want2, want1)
+    # the chained term backpropagates through the fed-back feature into the first step's use of fc
+    head.zero_grad()
+    ft.unrolled_loss(head, fin, tok, pos, fout, mask, ft.HeadConfig(unroll=2, unroll_weight=1.0)).backward()
+    g_two = head.fc.weight.grad.clone()
+    head.zero_grad()
+    ft.unrolled_loss(head, fin, tok, pos, fout, mask, one).backward()
+    assert not torch.allclose(g_two, head.fc.weight.grad)
+
+
+def test_chain_counts_pair_token_one_with_the_next_tokens_step_two():
+    r1 = torch.tensor([True, False, True, True, False])
+    r2 = torch.tensor([True, True, False, True, True])  # r2[0] belongs to no scored chain
+    # chains starting at tokens 0, 2, 3 have token 1 right; their token 2 is r2[1], r2[3], r2[4]
+    assert ft.chain_counts(r1, r2) == (3, 3)
+    assert ft.chain_counts(r1, torch.tensor([True, False, True, False, False])) == (3, 0)
+    assert ft.chain_counts(torch.tensor([True]), torch.tensor([True])) == (0, 0)  # one token: no chain of 2
+
+
+def test_evaluate_reports_the_conditional_second_token_rate(target):
+    seqs = _sequences(target)
+    feats = ft.target_features(target, seqs, 64, progress=False)
+    torch.manual_seed(0)
+    head = ft.FeatureHead(target, torch.arange(64), "mlp")
+    res = ft.evaluate(head, seqs, feats, 64)
+    assert set(res) >= {"alpha", "alpha_step2", "alpha_step2_given1", "tokens", "per_category"}
+    assert 0.0 <= res["alpha_step2_given1"] <= 1.0
+
+
+@pytest.mark.parametrize("kw, match", [({"unroll": 0}, "unroll >= 1"), ({"unroll_weight": -1.0}, "unroll_weight >= 0"),
+                                       ({"kind": "eagle", "unroll": 2}, "position-wise mlp head only")])
+def test_bad_unroll_settings_are_refused_with_a_fix(kw, match):
+    from specrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        ft.HeadConfig(**kw)
+
+
 def test_unknown_head_is_refused_with_the_allowed_names(target):
     from specrl.errors import ConfigError
 

@@ -201,8 +201,10 @@ def test_draft_train_cli_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     # `specrl draft head` trains a feature head on the same data; the feature drafter runs it exactly
     head_dir = tmp_path / "head"
     assert main(["draft", "head", "--model", str(model_dir), "--out", str(head_dir), "--shortlist", "24",
-                 "--epochs", "2", "--batch-tokens", "128", "--eval-every", "5", "--threads", "1", "--no-progress"]) == 0
+                 "--epochs", "2", "--batch-tokens", "128", "--eval-every", "5", "--unroll", "2", "--threads", "1",
+                 "--no-progress"]) == 0
     hcard = json.loads((head_dir / "card.json").read_text())
+    assert hcard["recipe"]["unroll"] == 2 and hcard["recipe"]["unroll_weight"] == 0.5
     assert hcard["arch"] == {"kind": "mlp", "hidden_size": 32, "vocab_size": pair.vocab_size, "shortlist": 24}
     assert set(hcard["per_category"]) == {"a", "b"} and hcard["data"]["train_generated_tokens"] > 0
     assert hcard["learning_curve"][0]["trained_tokens"] == 0 < hcard["learning_curve"][-1]["trained_tokens"]

@@ -104,6 +104,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimizer step")
     h.add_argument("--shortlist", type=int, default=8192, help="output shortlist size")
     h.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    h.add_argument("--unroll", type=int, default=1,
+                   help="chained steps per position (2+: also train on the head's own predicted features)")
+    h.add_argument("--unroll-weight", type=float, default=0.5, help="loss weight of each chained step after the first")
     h.add_argument("--seed", type=int, default=0)
     p.set_defaults(_draft_parser=p)
 
@@ -147,7 +150,8 @@ def _head_config(args: argparse.Namespace) -> Any:
     from specrl.drafttrain.feature import HeadConfig
 
     return HeadConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-                      shortlist=args.shortlist, eval_every=args.eval_every, seed=args.seed)
+                      shortlist=args.shortlist, eval_every=args.eval_every, unroll=args.unroll,
+                      unroll_weight=args.unroll_weight, seed=args.seed)
 
 
 def _load_target(args: argparse.Namespace, dtype: str) -> Any:
