@@ -10,7 +10,14 @@ import torch
 from tiny import save_tiny, tiny_llama
 
 from specrl.drafters import make_drafter
-from specrl.drafttrain.data import DataConfig, check_manifest, generate_batch, plan_shards, score_batch
+from specrl.drafttrain.data import (
+    DataConfig,
+    check_manifest,
+    generate_batch,
+    plan_shards,
+    score_batch,
+    stages,
+)
 from specrl.drafttrain.student import ShortlistHead, build_student, load_draft, shortlist_from_counts
 from specrl.drafttrain.train import TrainConfig, distill_loss, lr_at
 from specrl.engine import Action, SpecEngine
@@ -103,6 +110,15 @@ def test_generate_batch_samples_keep_prompts_and_labels_aligned():
         m_ref += len(q) - 1
     with pytest.raises(ConfigError, match="samples=1 for greedy"):
         generate_batch(target, prompts, cfg, temperature=0.0, seed=3, eos_ids=[], pad_id=0, samples=2)
+
+
+def test_no_text_skips_only_the_text_stage_and_keeps_resuming(tmp_path):
+    with_text, without = stages(DataConfig(rounds=1)), stages(DataConfig(rounds=1, text=False))
+    assert [s.name for s in with_text] == ["heldout-greedy", "train-greedy", "train-text", "train-t0.7-r1"]
+    assert [s.name for s in without] == ["heldout-greedy", "train-greedy", "train-t0.7-r1"]
+    # the shards of the other stages are the same, so a directory made either way resumes the other way
+    check_manifest(tmp_path, DataConfig(), "t")
+    check_manifest(tmp_path, DataConfig(text=False), "t")
 
 
 def test_manifest_refuses_to_resume_with_other_samples(tmp_path):

@@ -47,6 +47,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="sampled rounds over the train prompts after the greedy one")
     p.add_argument("--samples", type=int, default=1,
                    help="continuations per prompt per generate call in sampled rounds (GPU: 8-16 fills the batch)")
+    p.add_argument("--no-text", action="store_true",
+                   help="skip the train-text stage (teacher-forced prompt text; `specrl draft head` never reads it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]: where the target and student run")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -126,6 +128,7 @@ def _data_config(args: argparse.Namespace) -> Any:
         sources=tuple(args.prompts or ["builtin"]), held_out=args.held_out, split_seed=args.split_seed,
         max_new_tokens=args.max_new_tokens, topk=args.topk, batch_size=args.gen_batch_size,
         token_budget=args.token_budget, dtype=args.gen_dtype, rounds=args.rounds, samples=args.samples,
+        text=not args.no_text,
     )
 
 
