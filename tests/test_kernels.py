@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -49,6 +50,7 @@ def test_cost_profiles_are_keyed_by_kernels(monkeypatch, tmp_path):
     from specrl.costs import cost_path
 
     monkeypatch.setenv("SPECRL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECRL_SKINNY_LINEAR", "1")
     on = cost_path("default", None, "ngram", "float32", "cpu")
     monkeypatch.setenv("SPECRL_SKINNY_LINEAR", "0")
     off = cost_path("default", None, "ngram", "float32", "cpu")
@@ -78,3 +80,77 @@ def test_skinny_linear_leaves_other_dtypes_to_f_linear(monkeypatch):
     assert torch.equal(sk(x), real(x, ref.weight, ref.bias)) and calls == [1]
     sk.float()(x.float())
     assert calls == [1]  # float32: the skinny path
+
+
+@pytest.fixture
+def auto_mode(monkeypatch, tmp_path):
+    """Auto mode with an empty cache and no choice made yet in this process."""
+    from specrl import kernels
+
+    monkeypatch.setenv("SPECRL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECRL_SKINNY_LINEAR", "auto")
+    monkeypatch.setattr(kernels, "CALIBRATE_MIN_BYTES", 1)  # let a small model stand in for a large one
+    kernels._reset_for_tests()
+    yield kernels
+    kernels._reset_for_tests()
+
+
+def test_auto_mode_sends_only_the_measured_winning_rows_to_the_skinny_path(auto_mode, tmp_path):
+    kernels = auto_mode
+    calls = []
+
+    def timer(weights, rows):  # skinny wins clearly at 2-4 rows, ties at 5 (inside the margin), loses elsewhere
+        calls.append(rows)
+        return 1.0, {2: 0.5, 3: 0.6, 4: 0.9, 5: 0.99}.get(rows, 2.0)
+
+    model = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24))
+    assert kernels.active_rows() == kernels.ALL_ROWS  # nothing measured yet: the old default
+    assert kernels.calibrate(model, timer) == frozenset({2, 3, 4})
+    assert calls == list(kernels.MEASURED_ROWS)
+    assert kernels.active_rows() == {2, 3, 4} and kernel_tag(torch.device("cpu")) == "skinny2-3-4"
+    stored = json.loads((tmp_path / "kernels.json").read_text())[kernels.machine_key()]
+    assert stored["skinny_rows"] == [2, 3, 4] and stored["ms"]["16"] == [1000.0, 2000.0]
+    # a new process reads the choice back instead of measuring again
+    kernels._reset_for_tests()
+    assert kernels.calibrate(model, lambda w, r: pytest.fail("measured twice")) == frozenset({2, 3, 4})
+    # the layers follow the choice: F.linear at 1 row, the skinny product at 3 (both the same numbers)
+    use_skinny_linear(model)
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.linear
+    try:
+        F.linear = lambda *a, **k: seen.append(a[0].shape[0]) or real(*a, **k)
+        x1, x3 = torch.randn(1, 24), torch.randn(3, 24)
+        torch.testing.assert_close(model[0](x1), real(x1, model[0].weight, model[0].bias))
+        torch.testing.assert_close(model[0](x3), real(x3, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
+    finally:
+        F.linear = real
+    assert seen == [1]  # the 1-row product took F.linear, the 3-row one the skinny product
+
+
+def test_auto_mode_where_skinny_never_wins_tags_profiles_linear(auto_mode):
+    kernels = auto_mode
+    assert kernels.calibrate(nn.Sequential(nn.Linear(8, 8)), lambda w, r: (1.0, 3.0)) == frozenset()
+    assert kernel_tag(torch.device("cpu")) == "linear"
+
+
+def test_auto_mode_skips_small_models_and_forced_modes(auto_mode, monkeypatch):
+    kernels = auto_mode
+    monkeypatch.setattr(kernels, "CALIBRATE_MIN_BYTES", 64 << 20)
+    small = nn.Sequential(nn.Linear(8, 8))
+    assert kernels.calibrate(small, lambda w, r: pytest.fail("a cached-size model was timed")) is None
+    monkeypatch.setattr(kernels, "CALIBRATE_MIN_BYTES", 1)
+    for forced, rows in (("1", kernels.ALL_ROWS), ("0", frozenset())):
+        monkeypatch.setenv("SPECRL_SKINNY_LINEAR", forced)
+        assert kernels.calibrate(small, lambda w, r: pytest.fail("a forced mode was timed")) is None
+        assert kernels.active_rows() == rows
+    monkeypatch.setenv("SPECRL_SKINNY_LINEAR", "yes")
+    with pytest.raises(ValueError, match="Allowed: auto, 1, 0"):
+        kernels.mode()
+
+
+def test_time_paths_measures_both_sides():
+    ws = [torch.randn(40, 24), torch.randn(24, 40)]
+    lin, sk = __import__("specrl.kernels", fromlist=["time_paths"]).time_paths(ws, 3, reps=1)
+    assert lin > 0 and sk > 0
