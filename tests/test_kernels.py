@@ -12,6 +12,13 @@ from torch import nn
 from specrl.kernels import MAX_ROWS, PAD_TO, SkinnyLinear, kernel_tag, use_skinny_linear
 
 
+@pytest.fixture(autouse=True)
+def forced_on(monkeypatch):
+    """These tests exercise the skinny path itself: force it on, whatever this machine measured
+    (auto mode may have chosen F.linear for every row count once a large model was loaded)."""
+    monkeypatch.setenv("SPECRL_SKINNY_LINEAR", "1")
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 4), (2, 3), (4, 4), (1, 11), (2, 8), (1, MAX_ROWS + 1), (3, 9)])
 def test_skinny_linear_matches_linear(bias, shape):
