@@ -81,11 +81,20 @@ def enabled() -> bool:
 
 
 def machine_key() -> str:
-    """What the measured choice depends on: the CPU, the thread count and torch (its BLAS)."""
+    """What the measured choice depends on: the CPU, the thread count and torch (its BLAS).
+
+    The CPU is its model name plus a hash of its feature flags: virtual machines often report a
+    generic name ("Intel(R) Xeon(R) Processor") for generations whose BLAS paths differ (AVX2 vs
+    AVX-512 / AMX)."""
+    import hashlib
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+            info = f.read().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), cpu)
+        flags = next((ln.split(":", 1)[1] for ln in info if ln.startswith("flags")), "")
+        cpu += f" [{hashlib.sha256(' '.join(sorted(flags.split())).encode()).hexdigest()[:8]}]"
     except OSError:
         pass
     return f"{cpu}|{torch.get_num_threads()} threads|torch {torch.__version__}"
