@@ -64,6 +64,7 @@ MARGIN = 0.97  # the skinny path must be at least 3% faster to be chosen (noise 
 MODES = ("auto", "1", "0")
 
 _rows: frozenset[int] | None = None  # auto mode: the measured choice of this process (None: not yet)
+_looked_up = False  # whether ``<cache>/kernels.json`` was read: once per process, never per product
 
 
 def mode() -> str:
@@ -116,6 +117,18 @@ def _remembered() -> frozenset[int] | None:
     return frozenset(int(r) for r in rows) & ALL_ROWS
 
 
+def _choice() -> frozenset[int] | None:
+    """The auto-mode choice: measured in this process, or read from disk the first time asked.
+
+    Why read only once: ``SkinnyLinear.forward`` asks on every product, and reading
+    ``/proc/cpuinfo`` and the JSON file there cost ~30 us a call while nothing was measured.
+    """
+    global _rows, _looked_up
+    if _rows is None and not _looked_up:
+        _rows, _looked_up = _remembered(), True
+    return _rows
+
+
 def active_rows() -> frozenset[int]:
     """Row counts that take the skinny path now."""
     m = mode()
@@ -123,17 +136,14 @@ def active_rows() -> frozenset[int]:
         return frozenset()
     if m == "1":
         return ALL_ROWS
-    global _rows
-    if _rows is None:
-        _rows = _remembered()
-    return ALL_ROWS if _rows is None else _rows
+    rows = _choice()
+    return ALL_ROWS if rows is None else rows
 
 
 def time_paths(weights: Sequence[torch.Tensor], rows: int, reps: int = 3) -> tuple[float, float]:
     """(F.linear, skinny) best-of-``reps`` seconds for one pass of ``rows`` activation rows over
     every weight in turn: each weight streams from memory, as in a forward. Sides alternate."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-    pad = {k: torch.cat([x, x.new_zeros(PAD_TO[rows] - rows, k)]) for k, x in xs.items()}
 
     def linear() -> None:
         for w in weights:
@@ -141,7 +151,7 @@ def time_paths(weights: Sequence[torch.Tensor], rows: int, reps: int = 3) -> tup
 
     def skinny() -> None:
         for w in weights:
-            (w @ pad[w.shape[1]].T).T[:rows].contiguous()
+            skinny_product(w, xs[w.shape[1]])
 
     best = [float("inf"), float("inf")]
     with torch.inference_mode():
@@ -165,9 +175,7 @@ def calibrate(model: nn.Module, timer: Callable[[Sequence[torch.Tensor], int], t
     global _rows
     if mode() != "auto":
         return None
-    if _rows is None:
-        _rows = _remembered()
-    if _rows is not None:
+    if _choice() is not None:
         return _rows
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, nn.Linear)
                and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
@@ -196,8 +204,20 @@ def calibrate(model: nn.Module, timer: Callable[[Sequence[torch.Tensor], int], t
 
 
 def _reset_for_tests() -> None:
-    global _rows
-    _rows = None
+    global _rows, _looked_up
+    _rows, _looked_up = None, False
+
+
+def skinny_product(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """(M, in) activations, M <= ``MAX_ROWS`` -> (M, out) as ``(W @ x.T).T``: zero-padded to
+    ``PAD_TO[M]`` rows, inputs and output row-major (see the module docstring for why)."""
+    rows = flat.shape[0]
+    pad = PAD_TO[rows] - rows
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[-1])])  # (M + pad, in), row-major
+    else:
+        flat = flat.contiguous()  # row-major: a column-major x runs the GEMM 4x slower (M = 2-8)
+    return (weight @ flat.T).T[:rows].contiguous()  # (M, out), row-major for the next layer
 
 
 class SkinnyLinear(nn.Linear):
@@ -211,13 +231,7 @@ class SkinnyLinear(nn.Linear):
         rows = x.numel() // max(1, x.shape[-1])
         if x.device.type != "cpu" or x.dtype != torch.float32 or rows not in active_rows():
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, x.shape[-1])  # (M, in)
-        pad = PAD_TO[rows] - rows
-        if pad:
-            flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[-1])])  # (M + pad, in), row-major
-        else:
-            flat = flat.contiguous()  # row-major: a column-major x runs the GEMM 4x slower (M = 2-8)
-        out = (self.weight @ flat.T).T[:rows].contiguous()  # (M, out), row-major for the next layer
+        out = skinny_product(self.weight, x.reshape(rows, x.shape[-1]))  # (M, out)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])

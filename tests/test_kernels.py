@@ -161,3 +161,26 @@ def test_time_paths_measures_both_sides():
     ws = [torch.randn(40, 24), torch.randn(24, 40)]
     lin, sk = __import__("specrl.kernels", fromlist=["time_paths"]).time_paths(ws, 3, reps=1)
     assert lin > 0 and sk > 0
+
+
+def test_auto_mode_reads_the_remembered_choice_once_not_per_product(auto_mode, monkeypatch):
+    """SkinnyLinear asks for the choice on every product: the disk must be read once per process."""
+    kernels = auto_mode
+    reads = []
+    monkeypatch.setattr(kernels, "_remembered", lambda: reads.append(1))  # nothing remembered
+    monkeypatch.setattr(kernels, "CALIBRATE_MIN_BYTES", 64 << 20)
+    layer = nn.Linear(8, 8)
+    use_skinny_linear(layer)  # too small to measure: stays unmeasured
+    for _ in range(5):
+        layer(torch.randn(2, 8))
+    assert kernels.active_rows() == kernels.ALL_ROWS and len(reads) == 1
+
+
+def test_skinny_product_pads_and_keeps_rows_row_major():
+    torch.manual_seed(0)
+    w = torch.randn(40, 24)
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, 24)
+        out = __import__("specrl.kernels", fromlist=["skinny_product"]).skinny_product(w, x.T.contiguous().T)
+        assert out.shape == (rows, 40) and out.is_contiguous()
+        torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-5)
