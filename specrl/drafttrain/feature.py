@@ -317,10 +317,14 @@ class HeadConfig:
                               "must be positive. Fix: e.g. epochs=8, lr=1e-3, batch_tokens=4096, eval_every=50.")
 
 
-def head_loss(pred: torch.Tensor, true: torch.Tensor, head: FeatureHead, w_cls: float) -> torch.Tensor:
-    """EAGLE's loss on (M, H) features: smooth-L1 + ``w_cls`` x soft CE over the shortlist."""
+def head_loss(pred: torch.Tensor, true: torch.Tensor, head: FeatureHead, w_cls: float,
+              soft: torch.Tensor | None = None) -> torch.Tensor:
+    """EAGLE's loss on (M, H) features: smooth-L1 + ``w_cls`` x soft CE over the shortlist.
+
+    ``soft``: (M, S) the target's distribution on the shortlist, when the caller already has it."""
     reg = F.smooth_l1_loss(pred, true)
-    soft = torch.softmax(head.short(true), -1)  # (M, S) the target's distribution on the shortlist
+    if soft is None:
+        soft = torch.softmax(head.short(true), -1)  # (M, S) the target's distribution on the shortlist
     cls = -(soft * torch.log_softmax(head.short(pred), -1)).sum(-1).mean()
     return reg + w_cls * cls
 
@@ -340,13 +344,16 @@ def unrolled_loss(head: FeatureHead, fin: torch.Tensor, tok: torch.Tensor, pos: 
     fin / fout (B, W, H), tok / pos (B, W), mask (B, W) bool.
     """
     fh = head(fin, tok, pos)  # (B, W, H)
-    loss = head_loss(fh[mask], fout[mask], head, cfg.w_cls)
+    true = fout[mask]  # (M, H)
+    soft = torch.softmax(head.short(true), -1)  # (M, S): every step scores against these rows
+    loss = head_loss(fh[mask], true, head, cfg.w_cls, soft)
     for j in range(1, cfg.unroll):
         fh = head(torch.cat([fin[:, :1], fh[:, :-1]], 1), tok, pos)  # column c reads step j-1's f-hat at c-1
         m = mask.clone()
         m[:, :j] = False
-        if m.any():
-            loss = loss + cfg.unroll_weight * head_loss(fh[m], fout[m], head, cfg.w_cls)
+        keep = m[mask]  # (M,) which of the step-1 rows step j scores (same row-major order as fh[m])
+        if keep.any():
+            loss = loss + cfg.unroll_weight * head_loss(fh[m], true[keep], head, cfg.w_cls, soft[keep])
     return loss
 
 
